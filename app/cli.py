@@ -1,0 +1,133 @@
+"""The `pdd` command."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+
+from app import cluster
+from app.config import ConfigError, load_config
+
+console = Console()
+main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
+cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
+main.add_typer(cluster_cli, name="cluster")
+
+DEFAULT_CONFIG = Path("serve_configs/local.yaml")
+
+
+def _load(config_path: Path):
+    try:
+        return load_config(config_path)
+    except (ConfigError, OSError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+
+
+@main.command()
+def devmodel() -> None:
+    """Build the tiny local dev model when missing and print its folder."""
+    from app.devmodel import ensure_devmodel
+
+    console.print(str(ensure_devmodel()))
+
+
+@main.command()
+def validate(config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve config YAML")) -> None:
+    """Check a config; errors name the bad field."""
+    config = _load(config_path)
+    roles = ", ".join(f"{r.value}x{c.replicas}" for r, c in config.roles.present().items())
+    console.print(f"[green]ok[/green] mode={config.mode.value} roles: {roles}")
+
+
+@cluster_cli.command("up")
+def cluster_up(config_path: Path = typer.Argument(DEFAULT_CONFIG), cpus_per_node: int = typer.Option(8, help="Logical CPUs each Ray node offers")) -> None:
+    """Start one Ray node per datacenter of the config (on this host)."""
+    config = _load(config_path)
+    if cluster.is_running():
+        console.print("a Ray cluster is already running (use `pdd cluster down` first)")
+        raise typer.Exit(1)
+    cluster.up(config, cpus_per_node, echo=console.print)
+    console.print(f"dashboard {cluster.DASHBOARD_URL}; for raw ray/serve commands: export RAY_AUTH_MODE=token")
+
+
+@cluster_cli.command("down")
+def cluster_down() -> None:
+    """Stop the local Ray cluster (and any vLLM process it left behind)."""
+    cluster.down(echo=console.print)
+
+
+def _deploy(config_path: Path) -> dict:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    doc = yaml.safe_load(config_path.read_text())
+    ServeSubmissionClient(cluster.DASHBOARD_URL).deploy_applications(doc)
+    return doc
+
+
+def _app_status() -> tuple[str, str]:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    details = ServeSubmissionClient(cluster.DASHBOARD_URL).get_serve_details()
+    apps = details.get("applications") or {}
+    if not apps:
+        return "DEPLOYING", ""
+    statuses = {a["status"] for a in apps.values()}
+    message = "; ".join(a.get("message") or "" for a in apps.values() if a.get("message"))
+    for s in ("DEPLOY_FAILED", "UNHEALTHY", "DEPLOYING"):
+        if s in statuses:
+            return s, message
+    return "RUNNING", message
+
+
+@main.command()
+def run(
+    config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve config YAML"),
+    timeout_s: float = typer.Option(600, help="Give up when the app is not running after this long"),
+) -> None:
+    """Start a local cluster, deploy CONFIG, and serve until Ctrl-C."""
+    import os
+
+    config = _load(config_path)
+    os.environ.update(cluster.CLUSTER_ENV)
+    if config.model.source == "devmodel":
+        from app.devmodel import ensure_devmodel
+
+        console.print(f"dev model: {ensure_devmodel()}")
+    started = False
+    if not cluster.is_running():
+        cluster.up(config, echo=console.print)
+        started = True
+    try:
+        doc = _deploy(config_path)
+        http = doc.get("http_options") or {}
+        url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+        t0 = time.monotonic()
+        with console.status("deploying (engines take ~30 s each to start)") as status:
+            while True:
+                state, message = _app_status()
+                status.update(f"{state} {time.monotonic() - t0:.0f}s {message[:120]}")
+                if state == "RUNNING":
+                    break
+                if state == "DEPLOY_FAILED" or time.monotonic() - t0 > timeout_s:
+                    console.print(f"[red]deploy failed ({state}):[/red] {message}")
+                    raise typer.Exit(1)
+                time.sleep(2)
+        console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
+        console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
+                      f"-d '{{\"model\": \"{config.model.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("stopping")
+    finally:
+        if started:
+            cluster.down(echo=console.print)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""One vLLM AsyncLLM per replica, and the small protocol the conductor speaks to it.
+
+Engines see token IDs only: tokenization, chat templates, detokenization and
+stop strings live in the conductor, so text is identical whichever engines a
+request crossed (a stop string spanning a handoff is still found).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import PDDConfig, RoleName
+from app.devmodel import resolve_model_source
+from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaInfo:
+    replica_id: str
+    role: str
+    node_ip: str
+    node_id: str
+    datacenter: str
+    num_kv_blocks: int
+    block_size: int
+    token_port: int
+    """Where app.token_channel serves this replica's token streams (on node_ip)."""
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (never "localhost": roles span machines)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - fall back to the routing table's answer
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = None):
+    """AsyncEngineArgs for one role, from the config alone."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    rc = config.roles.get(role)
+    if rc is None:
+        raise KeyError(f"roles.{role.value} is not configured")
+    e = rc.engine
+    kwargs: dict[str, Any] = dict(
+        model=resolve_model_source(config.model.source),
+        served_model_name=config.model.served_name,
+        dtype=config.model.dtype,
+        block_size=config.model.block_size,
+        max_model_len=config.model.max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=e.enforce_eager,
+        max_num_seqs=e.max_num_seqs,
+        tensor_parallel_size=e.tensor_parallel_size,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        load_format=config.model.load_format,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config,
+    )
+    if e.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens
+    kwargs.update(e.extra)
+    return AsyncEngineArgs(**kwargs)
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class EngineServer:
+    """Hosts one AsyncLLM; the role deployments are thin subclasses."""
+
+    role: RoleName
+
+    def __init__(self, config: PDDConfig, role: RoleName, replica_id: str, kv_transfer_config: Any = None):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.config = config
+        self.role = role
+        self.replica_id = replica_id
+        rc = config.roles.get(role)
+        assert rc is not None
+        if on_cpu():
+            # Read by the engine's worker process at start; whole GiB only.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
+        self.engine = AsyncLLM.from_engine_args(engine_args(config, role, kv_transfer_config))
+        cache = self.engine.vllm_config.cache_config
+        self.num_kv_blocks = int(cache.num_gpu_blocks or 0)
+        self.block_size = int(cache.block_size)
+        self.datacenter = config.datacenter_of(role)
+        self._node_ip = node_ip()
+        self._node_id = _ray_node_id()
+        self._token_server = TokenStreamServer(self.generate)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        extra_args = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=s.stop_token_ids or None,
+            ignore_eos=s.ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+            skip_reading_prefix_cache=request.skip_prefix_cache or None,
+        )
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        async for out in self.engine.generate(prompt, params, request.request_id):
+            completion = out.outputs[0]
+            yield EngineDelta(
+                request_id=request.request_id,
+                token_ids=list(completion.token_ids),
+                finished=out.finished,
+                finish_reason=completion.finish_reason if out.finished else None,
+                num_prompt_tokens=len(out.prompt_token_ids or ()),
+                num_cached_tokens=out.num_cached_tokens,
+                kv_transfer_params=out.kv_transfer_params if out.finished else None,
+            )
+
+    # `target_replica` is read by the affinity router, not here.
+    async def abort(self, request_id: str, target_replica: str | None = None) -> None:
+        await self.engine.abort(request_id)
+
+    async def reset_prefix_cache(self, target_replica: str | None = None) -> bool:
+        return bool(await self.engine.reset_prefix_cache())
+
+    async def describe(self, target_replica: str | None = None) -> ReplicaInfo:
+        # Started here, on the replica's serving loop, where the engine's output handler runs too.
+        token_port = await self._token_server.start()
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            role=self.role.value,
+            node_ip=self._node_ip,
+            node_id=self._node_id,
+            datacenter=self.datacenter,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            token_port=token_port,
+        )
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _ray_node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        return ""

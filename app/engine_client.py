@@ -1,0 +1,85 @@
+"""How the conductor reaches engine replicas.
+
+Discovery and control go through Serve handles (the affinity router publishes
+the live replica set); token streams go over app/token_channel.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle
+
+from app.config import RoleName
+from app.engine import ReplicaInfo
+from app.replica_router import live_replicas
+from app.roles import DEPLOYMENT_NAMES
+from app.token_channel import EngineDelta, EngineRequest, TokenStreamClient
+
+logger = logging.getLogger(__name__)
+
+
+class NoReplicaError(RuntimeError):
+    """A role has no live replica to take the request."""
+
+
+class EngineClient:
+    def __init__(self, handles: dict[RoleName, DeploymentHandle]):
+        self._handles = handles
+        self._replicas: dict[str, ReplicaInfo] = {}
+        self._channels: dict[str, TokenStreamClient] = {}
+
+    def roles(self) -> list[RoleName]:
+        return list(self._handles)
+
+    async def replicas(self, role: RoleName) -> list[ReplicaInfo]:
+        """Live replicas of a role, each described once (node, datacenter, cache size, port)."""
+        live = live_replicas(DEPLOYMENT_NAMES[role])
+        if not live:  # the router is built on first use; one call populates it
+            info = await self._handles[role].describe.remote()
+            self._replicas[info.replica_id] = info
+            live = live_replicas(DEPLOYMENT_NAMES[role]) or frozenset({info.replica_id})
+        missing = [rid for rid in live if rid not in self._replicas]
+        if missing:
+            infos = await asyncio.gather(*(self._handles[role].describe.remote(target_replica=rid) for rid in missing))
+            for info in infos:
+                self._replicas[info.replica_id] = info
+        for rid in [r for r in self._channels if r not in live and r in self._replicas and self._replicas[r].role == role.value]:
+            await self._channels.pop(rid).close()
+        return [self._replicas[rid] for rid in sorted(live) if rid in self._replicas]
+
+    def load(self, replica_id: str) -> int:
+        """Requests this conductor has in flight on a replica."""
+        channel = self._channels.get(replica_id)
+        return channel.active_streams if channel is not None else 0
+
+    async def pick(self, role: RoleName, preferred: str | None = None) -> ReplicaInfo:
+        """The preferred replica when it is alive, else the least loaded one."""
+        infos = await self.replicas(role)
+        if not infos:
+            raise NoReplicaError(f"no live {role.value} replica")
+        for info in infos:
+            if info.replica_id == preferred:
+                return info
+        return min(infos, key=lambda i: self.load(i.replica_id))
+
+    def _channel(self, info: ReplicaInfo) -> TokenStreamClient:
+        channel = self._channels.get(info.replica_id)
+        if channel is None or channel.closed:
+            channel = self._channels[info.replica_id] = TokenStreamClient(info.node_ip, info.token_port)
+        return channel
+
+    async def stream(self, replica: ReplicaInfo, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        """Stream one request on one replica; leaving early aborts it there."""
+        async for delta in self._channel(replica).stream(request):
+            yield delta
+
+    async def reset_prefix_caches(self) -> None:
+        """Empty every replica's prefix cache (benchmarks comparing modes on equal terms)."""
+        calls = []
+        for role, handle in self._handles.items():
+            for info in await self.replicas(role):
+                calls.append(handle.reset_prefix_cache.remote(target_replica=info.replica_id))
+        await asyncio.gather(*calls)

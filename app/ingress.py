@@ -1,0 +1,383 @@
+"""OpenAI-compatible HTTP API (FastAPI) and the Conductor deployment that serves it.
+
+The ingress and the conductor share one deployment, named `Conductor`, so a
+streamed token crosses one Serve hop (engine replica -> here) rather than two.
+Its `user_config` carries the live knobs (routing, handoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.conductor import Conductor, GenerationRequest, Output
+from app.config import LiveKnobs, Mode, PDDConfig, RoleName
+from app.devmodel import resolve_model_source
+from app.engine_client import EngineClient
+from app.token_channel import SamplingOptions
+from app.openai_api import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    DeltaMessage,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_request_id,
+    now,
+)
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or invalid API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    429: {"model": ErrorResponse, "description": "Too many concurrent requests"},
+    503: {"model": ErrorResponse, "description": "Not ready"},
+}
+
+api = FastAPI(title="pdd-serve", version="0.1.0", description="OpenAI-compatible API of a PDD cluster")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    return _error_response(err)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc) -> str | None:
+    """`body.stop.list[str].2` -> `stop`: the field path without pydantic's union-branch tags."""
+    parts = []
+    for p in loc:
+        if p == "body" and not parts:
+            continue
+        if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    param = _param_path(first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param}"
+    elif first.get("type") == "json_invalid":
+        msg = "Request body is not valid JSON"
+        param = None
+    elif param:
+        msg = f"{param}: {msg}"
+    return _error_response(APIError(400, msg, param=param))
+
+
+@api.exception_handler(Exception)
+async def _unexpected_error(_: Request, err: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return _error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return _error_response(APIError(err.status_code, str(err.detail), type=kind))
+
+
+def _sse(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+class ApiKeys:
+    """Bearer keys from the config plus PDD_API_KEYS (comma-separated); none: open."""
+
+    def __init__(self, configured: list[str]):
+        env = [k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(",") if k.strip()]
+        self.keys = frozenset(configured) | frozenset(env)
+
+    def check(self, request: Request) -> str:
+        """The caller's key ("" when auth is off); raises 401 otherwise."""
+        if not self.keys:
+            return ""
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if key.strip() not in self.keys:
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+        return key.strip()
+
+
+class Admission:
+    """Bounds on requests in flight: per key and in total (429 beyond)."""
+
+    def __init__(self, per_key: int, total: int):
+        self.per_key = per_key
+        self.total = total
+        self._by_key: Counter[str] = Counter()
+        self._total = 0
+
+    def enter(self, key: str) -> None:
+        if self._total >= self.total:
+            raise APIError(429, "Server is at capacity; retry later", type="rate_limit_error", code="server_busy")
+        if self._by_key[key] >= self.per_key:
+            raise APIError(429, "Too many concurrent requests for this API key", type="rate_limit_error", code="rate_limit_exceeded")
+        self._by_key[key] += 1
+        self._total += 1
+
+    def leave(self, key: str) -> None:
+        self._by_key[key] -= 1
+        if self._by_key[key] <= 0:
+            del self._by_key[key]
+        self._total -= 1
+
+    @property
+    def in_flight(self) -> int:
+        return self._total
+
+
+@serve.deployment(name="Conductor", max_ongoing_requests=1024)
+@serve.ingress(api)
+class ConductorIngress:
+    def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle]):
+        from transformers import AutoTokenizer
+
+        self.config = PDDConfig.model_validate(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(self.config.model.source))
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError("model.source: pdd-serve needs a model with a fast (tokenizers) tokenizer")
+        handles = {RoleName(role): h for role, h in engines.items()}
+        self.conductor = Conductor(self.config, EngineClient(handles), self.tokenizer.backend_tokenizer)
+        self.keys = ApiKeys(self.config.server.api_keys)
+        self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
+        self.created = now()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self.conductor.reconfigure(LiveKnobs.model_validate(user_config))
+
+    # ---- request preparation -------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model.served_name:
+            raise APIError(404, f"The model '{model}' does not exist", type="not_found_error", param="model", code="model_not_found")
+
+    def _mode(self, requested: Mode | None) -> Mode:
+        if requested is None or requested is self.config.mode:
+            return self.config.mode
+        if not self.config.server.allow_mode_override:
+            raise APIError(400, "pdd_mode: per-request modes are disabled (server.allow_mode_override)", param="pdd_mode")
+        return requested
+
+    def _generation_request(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None, prefix: str) -> GenerationRequest:
+        limit = self.config.max_prompt_tokens
+        if len(prompt_ids) > limit:
+            raise APIError(
+                400,
+                f"This model's maximum prompt length is {limit} tokens; the prompt has {len(prompt_ids)}",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        room = self.config.model.max_model_len - len(prompt_ids)
+        server = self.config.server
+        if max_tokens is None:
+            max_tokens = min(server.default_max_tokens, room, server.max_output_tokens)
+        elif max_tokens > server.max_output_tokens:
+            raise APIError(400, f"max_tokens: at most {server.max_output_tokens}", param="max_tokens")
+        elif max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.config.model.max_model_len} tokens; "
+                f"the prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        sampling = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            ignore_eos=bool(body.ignore_eos),
+        )
+        return GenerationRequest(
+            request_id=new_request_id(prefix),
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            stop=body.stop_list(),
+            mode=self._mode(body.pdd_mode),
+        )
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "This model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input
+            raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            p = p[0]
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            return list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+        vocab = len(self.tokenizer)
+        bad = next((t for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return list(p)
+
+    # ---- running -------------------------------------------------------------
+
+    async def _admitted(self, key: str, outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            self.admission.leave(key)
+
+    async def _collect(self, outputs: AsyncIterator[Output]) -> tuple[str, Output]:
+        parts = []
+        last = None
+        async for out in outputs:
+            parts.append(out.text)
+            last = out
+        assert last is not None
+        return "".join(parts), last
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+    async def _stream(self, gen: GenerationRequest, outputs: AsyncIterator[Output], chunk, usage_wanted: bool) -> AsyncIterator[bytes]:
+        """SSE framing shared by both endpoints; `chunk(text, finish_reason)` builds one event."""
+        try:
+            first = chunk(None, None)
+            if first is not None:
+                yield _sse(first)
+            async for out in outputs:
+                if out.text or out.finish_reason:
+                    yield _sse(chunk(out.text, out.finish_reason))
+                if out.finish_reason and usage_wanted:
+                    yield _sse(chunk(None, None, usage=self._usage(len(gen.prompt_token_ids), out.completion_tokens)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            logger.exception("request %s failed mid-stream", gen.request_id)
+            yield _sse(json.dumps(APIError(500, f"generation failed: {exc}", type="server_error").body()))
+        yield b"data: [DONE]\n\n"
+
+    @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models(self, request: Request) -> ModelList:
+        self.keys.check(request)
+        card = ModelCard(id=self.config.model.served_name, created=self.created, max_model_len=self.config.model.max_model_len)
+        return ModelList(data=[card])
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        key = self.keys.check(request)
+        self._check_model(body.model)
+        gen = self._generation_request(body, self._chat_prompt(body), body.requested_max_tokens(), "chatcmpl")
+        self.admission.enter(key)
+        outputs = self._admitted(key, self.conductor.generate(gen))
+        created, model = now(), body.model
+
+        if body.stream:
+            sent_role = False
+
+            def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str | None:
+                nonlocal sent_role
+                if usage is not None:
+                    return ChatCompletionChunk(id=gen.request_id, created=created, model=model, choices=[], usage=usage).model_dump_json()
+                if text is None and finish is None:
+                    if sent_role:
+                        return None
+                    sent_role = True
+                    delta = DeltaMessage(role="assistant", content="")
+                else:
+                    delta = DeltaMessage(content=text or None)
+                choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+                return ChatCompletionChunk(id=gen.request_id, created=created, model=model, choices=[choice]).model_dump_json(exclude_none=False)
+
+            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(gen, outputs, chunk, usage_wanted), media_type="text/event-stream", headers={"x-request-id": gen.request_id})
+
+        text, last = await self._collect(outputs)
+        return ChatCompletion(
+            id=gen.request_id,
+            created=created,
+            model=model,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
+            usage=self._usage(len(gen.prompt_token_ids), last.completion_tokens),
+        )
+
+    @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def completions(self, body: CompletionRequest, request: Request):
+        key = self.keys.check(request)
+        self._check_model(body.model)
+        gen = self._generation_request(body, self._completion_prompt(body), body.max_tokens, "cmpl")
+        self.admission.enter(key)
+        outputs = self._admitted(key, self.conductor.generate(gen))
+        created, model = now(), body.model
+
+        if body.stream:
+
+            def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str | None:
+                if usage is not None:
+                    return Completion(id=gen.request_id, created=created, model=model, choices=[], usage=usage).model_dump_json()
+                if text is None and finish is None:
+                    return None
+                return Completion(id=gen.request_id, created=created, model=model, choices=[CompletionChoice(text=text or "", finish_reason=finish)]).model_dump_json()
+
+            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(gen, outputs, chunk, usage_wanted), media_type="text/event-stream", headers={"x-request-id": gen.request_id})
+
+        text, last = await self._collect(outputs)
+        return Completion(
+            id=gen.request_id,
+            created=created,
+            model=model,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            usage=self._usage(len(gen.prompt_token_ids), last.completion_tokens),
+        )
+
+    @api.get("/pdd/requests/{request_id}", responses=ERROR_RESPONSES)
+    async def journey(self, request_id: str, request: Request) -> dict[str, Any]:
+        self.keys.check(request)
+        j = self.conductor.journal.get(request_id)
+        if j is None:
+            raise APIError(404, f"No request '{request_id}' in the journal (it keeps the last {self.conductor.journal.capacity})", type="not_found_error", param="request_id")
+        return j.to_dict()
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}

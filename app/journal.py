@@ -1,0 +1,90 @@
+"""Each request's journey (GET /pdd/requests/{id}): pipeline, hits, bytes, handoff, timings."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Transfer:
+    """One KV pull, as the decoding side's connector reported it."""
+
+    link: str
+    """`dc-a->dc-b` style: source datacenter -> destination datacenter."""
+    to_role: str
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    ok: bool = True
+    error: str | None = None
+
+
+@dataclass
+class Journey:
+    request_id: str
+    mode: str
+    prompt_tokens: int
+    max_tokens: int
+    started_at: float = field(default_factory=time.time)
+    pipeline: str | None = None
+    """Which path the request took: colocated, P-D, P-MD, P-RLD-MD, P-RLD (singular)."""
+    decision: dict[str, Any] = field(default_factory=dict)
+    """The policy's inputs and reason (expected WAN ms, MD hit estimate, ...)."""
+    replicas: dict[str, str] = field(default_factory=dict)
+    """role -> replica id."""
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    """role -> prompt tokens found in that engine's own prefix cache."""
+    transfers: list[Transfer] = field(default_factory=list)
+    handoff: dict[str, Any] | None = None
+    """mode, point (tokens already sent when MD took over), steps, latency_ms."""
+    token_sources: list[list[Any]] = field(default_factory=list)
+    """Runs of [role, count] in client order: who produced each token."""
+    ttft_ms: float | None = None
+    max_gap_ms: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    finished_at: float | None = None
+
+    def note_tokens(self, role: str, count: int) -> None:
+        if count <= 0:
+            return
+        if self.token_sources and self.token_sources[-1][0] == role:
+            self.token_sources[-1][1] += count
+        else:
+            self.token_sources.append([role, count])
+
+    @property
+    def duration_ms(self) -> float | None:
+        return None if self.finished_at is None else (self.finished_at - self.started_at) * 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["duration_ms"] = self.duration_ms
+        return d
+
+
+class Journal:
+    """The most recent journeys, bounded so memory stays flat under load."""
+
+    def __init__(self, capacity: int = 10_000):
+        self.capacity = capacity
+        self._items: OrderedDict[str, Journey] = OrderedDict()
+
+    def add(self, journey: Journey) -> Journey:
+        self._items[journey.request_id] = journey
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return journey
+
+    def get(self, request_id: str) -> Journey | None:
+        return self._items.get(request_id)
+
+    def recent(self, n: int = 100) -> list[Journey]:
+        return list(self._items.values())[-n:]
+
+    def __len__(self) -> int:
+        return len(self._items)

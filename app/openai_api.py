@@ -1,0 +1,210 @@
+"""OpenAI-compatible request/response schemas and error bodies.
+
+Requests are validated here, so a bad field becomes a 400 naming it, in
+OpenAI's error shape, before anything reaches an engine. Unknown fields are
+rejected, as OpenAI does ("Unrecognized request argument supplied").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.config import Mode
+
+
+class APIError(Exception):
+    """An error the client caused (or a known server condition), with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
+
+
+class _SamplingFields(_Request):
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=1, description="Only 1 is supported")] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
+    frequency_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
+    ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
+    pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id and the like carry no meaning here
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _has_content(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if all(not m.text() for m in v):
+            raise ValueError("every message is empty")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: Literal[False] | None = Field(default=None, description="Not supported")
+    suffix: None = Field(default=None, description="Not supported")
+
+    @model_validator(mode="after")
+    def _prompt_not_empty(self) -> "CompletionRequest":
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and not self.prompt[0]:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdd-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

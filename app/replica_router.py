@@ -1,0 +1,55 @@
+"""Serve request router that sends a request to the replica the conductor chose.
+
+Control calls (describe, reset_prefix_cache) name a replica with a
+`target_replica` keyword; this router honours it when that replica is alive
+and falls back to power-of-two-choices otherwise. Token streams do not pass
+through Serve handles (app/token_channel.py explains why).
+
+The router runs inside the caller's process (the conductor), so it also
+publishes each deployment's live replica set for the conductor to read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+# Written by the router's event loop, read by the conductor's: one dict
+# assignment is atomic, and holding a lock here would make the class unpicklable.
+_live: dict[str, frozenset[str]] = {}
+
+
+def live_replicas(deployment_name: str) -> frozenset[str]:
+    """Replica ids Serve currently routes to for a deployment (empty before first use)."""
+    return _live.get(deployment_name, frozenset())
+
+
+def _target_of(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None:
+        return None
+    target = pending_request.kwargs.get("target_replica")
+    return target if isinstance(target, str) else None
+
+
+class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        target = _target_of(pending_request)
+        if target:
+            for replica in candidate_replicas:
+                if replica.replica_id.unique_id == target:
+                    return [[replica]]
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def update_replicas(self, replicas: list[Any]) -> None:
+        super().update_replicas(replicas)
+        # Serve may ship this class by value (cloudpickle), giving it a private copy
+        # of this module's globals; import the real module to publish where readers look.
+        from app import replica_router
+
+        replica_router._live[self._deployment_id.name] = frozenset(r.replica_id.unique_id for r in replicas)

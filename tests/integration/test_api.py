@@ -1,0 +1,208 @@
+"""The OpenAI-compatible API in colocated mode, through the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import local_args
+from tests.integration.conftest import delete_app, deploy_app
+
+KEY = "sk-test-key"
+MODEL = "pdd-dev"
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance):
+    args = local_args()
+    args["mode"] = "colocated"
+    args["server"] = {"api_keys": [KEY], "max_output_tokens": 512, "max_concurrent_per_key": 64}
+    args["model"]["max_model_len"] = 2048
+    deployed = deploy_app(serve_instance, "api", args)
+    yield deployed
+    delete_app(deployed)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app.v1, api_key=KEY, max_retries=0)
+
+
+def chat(client, content="Summarize the log file.", **kw):
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_non_streaming(client):
+    r = chat(client)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    assert r.id.startswith("chatcmpl-")
+
+
+def test_chat_streaming_matches_non_streaming_and_reports_usage(client):
+    whole = chat(client, "list every error with its time").choices[0].message.content
+    chunks = list(chat(client, "list every error with its time", stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streaming_without_usage_sends_none(client):
+    chunks = list(chat(client, stream=True))
+    assert all(c.usage is None for c in chunks)
+
+
+def test_completions_streaming_and_not(client):
+    r = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=16, temperature=0)
+    s = list(client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=16, temperature=0, stream=True))
+    assert r.choices[0].text and "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+    assert r.usage.completion_tokens == 16
+
+
+def test_completions_accept_token_ids(client):
+    by_text = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0)
+    ids = client.completions.create(model=MODEL, prompt=[465, 480], max_tokens=8, temperature=0)
+    assert ids.usage.prompt_tokens == 2 and ids.choices[0].text
+    assert by_text.choices[0].text
+
+
+def test_greedy_is_deterministic_across_calls(client):
+    outs = {chat(client, "one two three", max_tokens=40).choices[0].message.content for _ in range(3)}
+    assert len(outs) == 1
+
+
+def test_seed_makes_sampling_reproducible(client):
+    a = chat(client, "seeded", temperature=1.0, seed=7, max_tokens=30).choices[0].message.content
+    b = chat(client, "seeded", temperature=1.0, seed=7, max_tokens=30).choices[0].message.content
+    c = chat(client, "seeded", temperature=1.0, seed=8, max_tokens=30).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_top_p_tiny_is_greedy(client):
+    greedy = chat(client, "top p", max_tokens=20).choices[0].message.content
+    nucleus = chat(client, "top p", temperature=1.0, top_p=1e-6, max_tokens=20, seed=3).choices[0].message.content
+    assert nucleus == greedy
+
+
+def test_stop_string_truncates(client):
+    full = chat(client, "stop here", max_tokens=40).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[len(words) // 2]
+    r = chat(client, "stop here", max_tokens=40, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[: full.index(stop)]
+    assert r.usage.completion_tokens < 40
+    s = list(chat(client, "stop here", max_tokens=40, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
+
+
+def test_journey_of_a_request(app, client):
+    r = chat(client, max_tokens=5)
+    j = httpx.get(f"{app.base_url}/pdd/requests/{r.id}", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert j["pipeline"] == "colocated" and j["completion_tokens"] == 5
+    assert j["replicas"]["main_decode"] and j["ttft_ms"] > 0
+    missing = httpx.get(f"{app.base_url}/pdd/requests/nope", headers={"authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+
+
+# ---- errors ------------------------------------------------------------------
+
+
+def _post(app, path, body, key=KEY, raw=None):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        headers["content-type"] = "application/json"
+        return httpx.post(f"{app.base_url}{path}", content=raw, headers=headers, timeout=60)
+    return httpx.post(f"{app.base_url}{path}", json=body, headers=headers, timeout=60)
+
+
+def _assert_error(resp, status, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_missing_and_wrong_key_are_401(app):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    _assert_error(_post(app, "/v1/chat/completions", body, key=None), 401, code="invalid_api_key")
+    _assert_error(_post(app, "/v1/chat/completions", body, key="sk-wrong"), 401, code="invalid_api_key")
+    assert httpx.get(f"{app.base_url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=app.v1, api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "lots"}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages"),
+        ({"frobnicate": True}, "frobnicate"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"seed": 2**70}, "seed"),
+        ({"pdd_mode": "teleport"}, "pdd_mode"),
+    ],
+)
+def test_bad_parameters_are_400(app, body, param):
+    full = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    _assert_error(_post(app, "/v1/chat/completions", full), 400, param=param)
+
+
+def test_malformed_json_is_400(app):
+    _assert_error(_post(app, "/v1/chat/completions", None, raw=b'{"model": "pdd-dev", "messages": ['), 400)
+    _assert_error(_post(app, "/v1/chat/completions", None, raw=b"\xff\xfe not utf-8"), 400)
+    _assert_error(_post(app, "/v1/completions", None, raw=b"[]"), 400)
+
+
+def test_prompt_too_long_is_400_context_length(app):
+    body = {"model": MODEL, "prompt": list(range(10, 300)) * 8, "max_tokens": 4}
+    _assert_error(_post(app, "/v1/completions", body), 400, param="prompt", code="context_length_exceeded")
+
+
+def test_prompt_plus_max_tokens_over_context_is_400(app):
+    body = {"model": MODEL, "prompt": list(range(10, 300)) * 6, "max_tokens": 400}
+    _assert_error(_post(app, "/v1/completions", body), 400, param="max_tokens", code="context_length_exceeded")
+
+
+def test_token_id_outside_vocabulary_is_400(app):
+    _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}), 400, param="prompt")
+
+
+def test_unknown_route_is_404_json(app):
+    resp = httpx.get(f"{app.base_url}/v1/nothing-here")
+    assert resp.status_code == 404 and "error" in resp.json()

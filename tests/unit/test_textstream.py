@@ -1,0 +1,71 @@
+import pytest
+from transformers import AutoTokenizer
+
+from app.devmodel import ensure_devmodel
+from app.textstream import TextAssembler
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(ensure_devmodel()))
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _run(tok, ids, stop=None, chunk=1):
+    asm = TextAssembler(tok.backend_tokenizer, _ids(tok, "the prompt"), stop)
+    out = ""
+    for i in range(0, len(ids), chunk):
+        d = asm.feed(ids[i : i + chunk])
+        out += d.text
+        if d.stopped:
+            return out, True, asm
+    return out + asm.finish(), False, asm
+
+
+def test_incremental_text_equals_full_decode(tok):
+    ids = _ids(tok, "hello world, the model serves requests across two datacenters")
+    out, stopped, _ = _run(tok, ids)
+    assert not stopped
+    assert out.strip() == tok.decode(ids, skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_stop_string_truncates_and_is_excluded(tok, chunk):
+    ids = _ids(tok, "hello world, the model serves requests across two datacenters")
+    out, stopped, asm = _run(tok, ids, stop=["serves req"], chunk=chunk)
+    assert stopped
+    assert out.rstrip().endswith("model")
+    assert "serves" not in out
+    assert asm.num_tokens < len(ids)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tok):
+    asm = TextAssembler(tok.backend_tokenizer, [], ["world peace"])
+    sent = asm.feed(_ids(tok, "hello world"))
+    assert "world" not in sent.text  # could still become "world peace"
+    sent2 = asm.feed(_ids(tok, " order"))
+    assert "world" in sent.text + sent2.text
+    assert not sent2.stopped
+
+
+def test_stop_spanning_two_feeds(tok):
+    asm = TextAssembler(tok.backend_tokenizer, [], ["two datacenters"])
+    first = asm.feed(_ids(tok, "across two"))
+    second = asm.feed(_ids(tok, " datacenters and more"))
+    assert second.stopped
+    assert (first.text + second.text).strip() == "across"
+
+
+def test_earliest_of_several_stops_wins(tok):
+    out, stopped, _ = _run(tok, _ids(tok, "one two three four five"), stop=["four", "two"])
+    assert stopped and out.strip() == "one"
+
+
+def test_feeding_after_stop_yields_nothing(tok):
+    asm = TextAssembler(tok.backend_tokenizer, [], ["two"])
+    assert asm.feed(_ids(tok, "one two three")).stopped
+    late = asm.feed(_ids(tok, "four"))
+    assert late.stopped and late.text == ""

@@ -1,0 +1,120 @@
+"""The token channel over real loopback sockets, with a scripted token source."""
+
+import asyncio
+
+import pytest
+
+from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenStreamClient, TokenStreamServer
+
+
+class ScriptedEngine:
+    """Emits max_tokens tokens (1, 2, 3, ...) with a small delay; records aborts."""
+
+    def __init__(self, delay=0.001):
+        self.delay = delay
+        self.cancelled: list[str] = []
+        self.started: list[str] = []
+
+    async def __call__(self, req: EngineRequest):
+        self.started.append(req.request_id)
+        try:
+            n = req.sampling.max_tokens
+            for i in range(n):
+                await asyncio.sleep(self.delay)
+                if req.prompt_token_ids == [666] and i == 2:
+                    raise RuntimeError("engine exploded")
+                yield EngineDelta(request_id=req.request_id, token_ids=[i + 1], finished=i == n - 1, finish_reason="length" if i == n - 1 else None)
+        except asyncio.CancelledError:
+            self.cancelled.append(req.request_id)
+            raise
+
+
+def _req(rid, n=5, prompt=(1, 2)):
+    return EngineRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SamplingOptions(max_tokens=n))
+
+
+async def _collect(client, req):
+    return [d async for d in client.stream(req)]
+
+
+async def test_many_streams_share_one_connection_in_order():
+    engine = ScriptedEngine()
+    server = TokenStreamServer(engine, host="127.0.0.1")
+    port = await server.start()
+    client = TokenStreamClient("127.0.0.1", port)
+    results = await asyncio.gather(*(_collect(client, _req(f"r{i}", n=10 + i)) for i in range(20)))
+    for i, deltas in enumerate(results):
+        assert [t for d in deltas for t in d.token_ids] == list(range(1, 11 + i))
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert all(d.request_id == f"r{i}" for d in deltas)
+    await client.close()
+    await server.close()
+
+
+async def test_leaving_early_aborts_the_engine_request():
+    engine = ScriptedEngine(delay=0.01)
+    server = TokenStreamServer(engine, host="127.0.0.1")
+    client = TokenStreamClient("127.0.0.1", await server.start())
+    got = []
+    async for d in client.stream(_req("early", n=1000)):
+        got.extend(d.token_ids)
+        if len(got) >= 3:
+            break
+    for _ in range(100):
+        if "early" in engine.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.cancelled == ["early"]
+    assert client.active_streams == 0
+    await client.close()
+    await server.close()
+
+
+async def test_engine_error_arrives_in_band():
+    server = TokenStreamServer(ScriptedEngine(), host="127.0.0.1")
+    client = TokenStreamClient("127.0.0.1", await server.start())
+    deltas = await _collect(client, _req("boom", n=10, prompt=[666]))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "error"
+    assert "engine exploded" in deltas[-1].error
+    # the connection survives one request's failure
+    assert [t for d in await _collect(client, _req("after", n=3)) for t in d.token_ids] == [1, 2, 3]
+    await client.close()
+    await server.close()
+
+
+async def test_server_going_away_fails_open_streams():
+    engine = ScriptedEngine(delay=0.01)
+    server = TokenStreamServer(engine, host="127.0.0.1")
+    client = TokenStreamClient("127.0.0.1", await server.start())
+
+    async def consume():
+        return await _collect(client, _req("cut", n=10_000))
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    await server.close()
+    # closing the listening socket does not drop accepted connections; kill ours
+    for t in asyncio.all_tasks():
+        if t.get_coro().__qualname__.startswith("TokenStreamServer._serve_connection"):
+            t.cancel()
+    with pytest.raises(ChannelClosed):
+        await asyncio.wait_for(task, 5)
+    await client.close()
+
+
+async def test_unreachable_engine_is_a_channel_error():
+    client = TokenStreamClient("127.0.0.1", 1, connect_timeout_s=1)
+    with pytest.raises(ChannelClosed, match="cannot reach"):
+        await _collect(client, _req("x"))
+
+
+async def test_duplicate_request_id_rejected():
+    server = TokenStreamServer(ScriptedEngine(delay=0.05), host="127.0.0.1")
+    client = TokenStreamClient("127.0.0.1", await server.start())
+    first = client.stream(_req("dup", n=50))
+    await first.__anext__()
+    with pytest.raises(ValueError, match="already streaming"):
+        await client.stream(_req("dup")).__anext__()
+    await first.aclose()
+    await client.close()
+    await server.close()
