@@ -52,6 +52,18 @@ MODE_ROLES: dict[Mode, tuple[RoleName, ...]] = {
 }
 
 
+class ModelSpec(_Strict):
+    """Size figures of the served model, for the digital twin's performance model."""
+
+    active_params_b: Annotated[float, Field(gt=0)]
+    """Parameters active per token, in billions (MoE: the routed experts' share)."""
+    total_params_b: Annotated[float, Field(gt=0)] | None = None
+    weight_bytes_per_param: Annotated[float, Field(gt=0)] = 2.0
+    """1 for FP8 weights, 2 for bf16."""
+    kv_bytes_per_token: Annotated[int, Field(gt=0)]
+    """KV cache bytes one token occupies (all layers)."""
+
+
 class ModelConfig(_Strict):
     source: str = "devmodel"
     """`devmodel` (the tiny local Llama, built on first use), a local model folder,
@@ -67,6 +79,8 @@ class ModelConfig(_Strict):
     vLLM's CPU attention needs a multiple of 32."""
     load_format: Literal["auto", "dummy", "safetensors"] = "auto"
     """`dummy` gives random weights of the model's shape (GPU benchmarks)."""
+    spec: ModelSpec | None = None
+    """Size figures for the digital twin; optional for serving."""
 
     @field_validator("block_size")
     @classmethod

@@ -1,0 +1,126 @@
+"""Every metric pdd-serve exports: name, type, labels, meaning. One place.
+
+Metrics go out through Ray's metrics agent (`ray.util.metrics`), so the same
+Prometheus scrape that collects Ray Serve's own metrics collects these. Ray
+prefixes each name with `ray_` on export (`pdd_requests` is scraped as
+`ray_pdd_requests_total`); `prom_name()` gives the scraped name, which
+dashboards, rules and agents use.
+
+Importing this module needs no Ray; the metric objects are created on first use
+in the process that records them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+#: Latency buckets in seconds, for TTFT, gaps, handoffs and transfers.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+#: Per-output-token latency buckets (TPOT).
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+#: Token-count buckets (handoff sizes, relay lengths).
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+def _spec(name: str, kind: Kind, description: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None) -> MetricSpec:
+    return MetricSpec(name, kind, description, labels, buckets)
+
+
+REQUESTS = _spec("pdd_requests", "counter", "Requests finished, by mode, pipeline and outcome (ok, error, cancelled).", ("mode", "pipeline", "outcome"))
+TTFT = _spec("pdd_ttft_seconds", "histogram", "Time to first token seen by the conductor.", ("pipeline",), LATENCY_BUCKETS)
+TPOT = _spec("pdd_tpot_seconds", "histogram", "Mean time per output token after the first, per request.", ("pipeline",), TPOT_BUCKETS)
+MAX_GAP = _spec("pdd_max_gap_seconds", "histogram", "Worst inter-token gap of each request (handoffs and transfers show here).", ("pipeline",), LATENCY_BUCKETS)
+HANDOFF = _spec("pdd_handoff_seconds", "histogram", "RLD -> MD handoff: from the decision to MD's first token.", ("mode",), LATENCY_BUCKETS)
+HANDOFF_TOKENS = _spec("pdd_handoff_tokens", "histogram", "Eager tokens MD recomputed at handoff (all steps).", ("mode",), TOKEN_BUCKETS)
+KV_BYTES = _spec("pdd_kv_transfer_bytes", "counter", "KV bytes pulled over each link (source datacenter -> destination).", ("link",))
+KV_SECONDS = _spec("pdd_kv_transfer_seconds", "histogram", "Duration of each KV pull, by link.", ("link",), LATENCY_BUCKETS)
+KV_BLOCKS = _spec("pdd_kv_transfer_blocks", "counter", "KV blocks pulled over each link.", ("link",))
+KV_FAILURES = _spec("pdd_kv_transfer_failures", "counter", "KV pulls that failed or timed out (the decoder recomputed).", ("link", "reason"))
+PREFIX_HIT = _spec("pdd_prefix_hit_ratio", "histogram", "Per-request prompt share found in the engine's own prefix cache, by role.", ("role",), RATIO_BUCKETS)
+PROMPT_TOKENS = _spec("pdd_prompt_tokens", "counter", "Prompt tokens sent to each role.", ("role",))
+CACHED_TOKENS = _spec("pdd_cached_prompt_tokens", "counter", "Prompt tokens each role found in its own prefix cache.", ("role",))
+RELAY_TOKENS = _spec("pdd_relay_tokens", "histogram", "Tokens RLD produced for each relayed request.", (), TOKEN_BUCKETS)
+SINGULAR = _spec("pdd_singular_requests", "counter", "Requests the singular-traffic filter finished on RLD.")
+SLO_VIOLATIONS = _spec("pdd_slo_violations", "counter", "Requests over an SLO target, by pipeline and objective (ttft, tpot, gap).", ("pipeline", "slo"))
+LEASES_LIVE = _spec("pdd_kv_leases_live", "gauge", "Prompt KV leases a prefill replica holds for decoders to pull.", ("replica",))
+IN_FLIGHT = _spec("pdd_requests_in_flight", "gauge", "Requests the conductor is serving now.", ("replica",))
+KNOB = _spec("pdd_knob_value", "gauge", "Current value of each numeric live knob (routing.*, handoff.*).", ("knob",))
+
+ALL: tuple[MetricSpec, ...] = (
+    REQUESTS, TTFT, TPOT, MAX_GAP, HANDOFF, HANDOFF_TOKENS, KV_BYTES, KV_SECONDS, KV_BLOCKS, KV_FAILURES,
+    PREFIX_HIT, PROMPT_TOKENS, CACHED_TOKENS, RELAY_TOKENS, SINGULAR, SLO_VIOLATIONS, LEASES_LIVE, IN_FLIGHT, KNOB,
+)
+
+
+def prom_name(spec: MetricSpec, suffix: str = "") -> str:
+    """The name Prometheus scrapes: Ray's `ray_` prefix, `_total` on counters.
+
+    For histograms pass `_bucket`, `_sum` or `_count`.
+    """
+    base = f"ray_{spec.name}"
+    if spec.kind == "counter":
+        return base + "_total"
+    return base + suffix
+
+
+class _Registry:
+    """Ray metric objects of this process, created once."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, object] = {}
+
+    def _get(self, spec: MetricSpec):
+        obj = self._objects.get(spec.name)
+        if obj is None:
+            from ray.util import metrics as rm
+
+            if spec.kind == "counter":
+                obj = rm.Counter(spec.name, spec.description, tag_keys=spec.labels)
+            elif spec.kind == "gauge":
+                obj = rm.Gauge(spec.name, spec.description, tag_keys=spec.labels)
+            else:
+                obj = rm.Histogram(spec.name, spec.description, boundaries=list(spec.buckets or LATENCY_BUCKETS), tag_keys=spec.labels)
+            self._objects[spec.name] = obj
+        return obj
+
+    def inc(self, spec: MetricSpec, value: float = 1.0, **labels: str) -> None:
+        if value:
+            self._get(spec).inc(value, tags=labels or None)
+
+    def observe(self, spec: MetricSpec, value: float, **labels: str) -> None:
+        self._get(spec).observe(value, tags=labels or None)
+
+    def set(self, spec: MetricSpec, value: float, **labels: str) -> None:
+        self._get(spec).set(value, tags=labels or None)
+
+
+_registry: _Registry | None = None
+
+
+def registry() -> _Registry:
+    global _registry
+    if _registry is None:
+        _registry = _Registry()
+    return _registry
+
+
+def markdown_table() -> str:
+    """The README's metrics table, from the specs above."""
+    rows = ["| scraped name | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in ALL:
+        name = prom_name(spec) if spec.kind != "histogram" else prom_name(spec, "_bucket/_sum/_count")
+        rows.append(f"| `{name}` | {spec.kind} | {', '.join(spec.labels) or '-'} | {spec.description} |")
+    return "\n".join(rows)

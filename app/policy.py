@@ -1,0 +1,148 @@
+"""Pure decisions: which pipeline a request takes, and how RLD hands it to MD.
+
+No I/O and no clocks: the conductor (real requests) and the digital twin
+(app/sim) call exactly these functions with the facts they have, so what the
+twin predicts is what the cluster does.
+
+Rules (../shared/PDD.md):
+- P-MD when what MD lacks crosses the WAN quickly enough (few blocks);
+  P-RLD-MD otherwise, so a relay decoder in A masks the transfer.
+- P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter
+  (ultra-long, low-hit input with a tiny output), because requests ending at
+  RLD leave MD's cache behind P's and overload RLD.
+- A saturated RLD is not given more relays: the request goes P-MD and pays the
+  transfer rather than queueing behind other relays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from app.config import HandoffConfig, HandoffMode, RoutingConfig
+
+
+class Pipeline(str, Enum):
+    colocated = "colocated"
+    p_d = "P-D"
+    """The classic PD baselines (pd_intra_dc, pd_cross_dc_naive)."""
+    p_md = "P-MD"
+    p_rld_md = "P-RLD-MD"
+    p_rld = "P-RLD"
+    """Singular filter only."""
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    prompt_tokens: int
+    max_tokens: int
+    md_cached_tokens: int
+    """Prompt tokens the chosen MD replica is expected to hold already."""
+
+
+@dataclass(frozen=True)
+class LinkFacts:
+    bandwidth_bytes_per_s: float
+    rtt_s: float
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    kv_bytes_per_block: int
+    block_size: int
+    wan: LinkFacts
+    rld_load: float
+    """Occupancy of the least loaded RLD replica: active relays / its batch limit."""
+    rld_available: bool = True
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pipeline: Pipeline
+    blocks_to_send: int
+    expected_wan_ms: float
+    md_hit_rate: float
+    reason: str
+
+
+def blocks_missing(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:
+    """Blocks of the prompt's KV the decoder lacks (a partial last block counts)."""
+    cached_blocks = min(cached_tokens, prompt_tokens) // block_size
+    return max(0, math.ceil(prompt_tokens / block_size) - cached_blocks)
+
+
+def expected_transfer_ms(blocks: int, bytes_per_block: int, link: LinkFacts) -> float:
+    """One pull: a round trip, then the bytes at the link's bandwidth."""
+    if blocks <= 0:
+        return 0.0
+    return (link.rtt_s + blocks * bytes_per_block / link.bandwidth_bytes_per_s) * 1000
+
+
+def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> bool:
+    s = routing.singular
+    return (
+        s.enabled
+        and req.prompt_tokens >= s.min_prompt_tokens
+        and hit_rate <= s.max_hit_rate
+        and req.max_tokens <= s.max_output_tokens
+    )
+
+
+def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingConfig) -> RouteDecision:
+    blocks = blocks_missing(req.prompt_tokens, req.md_cached_tokens, cluster.block_size)
+    wan_ms = expected_transfer_ms(blocks, cluster.kv_bytes_per_block, cluster.wan)
+    hit = min(req.md_cached_tokens, req.prompt_tokens) / req.prompt_tokens if req.prompt_tokens else 1.0
+
+    def decide(pipeline: Pipeline, reason: str) -> RouteDecision:
+        return RouteDecision(pipeline, blocks, wan_ms, hit, reason)
+
+    cheap = wan_ms <= routing.max_wan_transfer_ms
+    hit_ok = routing.min_hit_rate is None or hit >= routing.min_hit_rate
+    if cheap and hit_ok:
+        return decide(Pipeline.p_md, f"WAN transfer {wan_ms:.0f} ms within {routing.max_wan_transfer_ms:.0f} ms")
+    if not cluster.rld_available:
+        return decide(Pipeline.p_md, "no relay decoder available")
+    if is_singular(req, hit, routing):
+        return decide(Pipeline.p_rld, f"singular: {req.prompt_tokens}-token prompt, hit {hit:.0%}, {req.max_tokens} output tokens")
+    if cluster.rld_load >= routing.max_relay_load:
+        return decide(Pipeline.p_md, f"relay saturated ({cluster.rld_load:.0%} >= {routing.max_relay_load:.0%})")
+    why = f"WAN transfer {wan_ms:.0f} ms over {routing.max_wan_transfer_ms:.0f} ms" if not cheap else f"MD hit {hit:.0%} below {routing.min_hit_rate:.0%}"
+    return decide(Pipeline.p_rld_md, why)
+
+
+class HandoffStep(str, Enum):
+    catch_up = "catch_up"
+    """Warm MD with the eager tokens so far; RLD keeps decoding."""
+    final = "final"
+    """Hand everything over: RLD stops, MD continues the stream."""
+
+
+#: Catch-up rounds per request before the final step (each round shrinks what is left).
+MAX_CATCH_UP_ROUNDS = 3
+#: RLD occupancy above which auto mode prefers one-shot (frees the relay soonest).
+AUTO_ONE_SHOT_LOAD = 0.5
+
+
+def resolve_handoff_mode(handoff: HandoffConfig, rld_load: float) -> HandoffMode:
+    """auto -> catch_up while RLD has headroom (smaller MD steps), one_shot under pressure."""
+    if handoff.mode is not HandoffMode.auto:
+        return handoff.mode
+    return HandoffMode.one_shot if rld_load >= AUTO_ONE_SHOT_LOAD else HandoffMode.catch_up
+
+
+def next_handoff_step(pending_tokens: int, rounds_done: int, mode: HandoffMode, handoff: HandoffConfig) -> HandoffStep:
+    """What to do with `pending_tokens` eager tokens MD has not yet computed."""
+    if (
+        mode is HandoffMode.catch_up
+        and pending_tokens > handoff.catch_up_threshold_tokens
+        and rounds_done < MAX_CATCH_UP_ROUNDS
+    ):
+        return HandoffStep.catch_up
+    return HandoffStep.final
+
+
+def relay_cap(handoff: HandoffConfig, rld_load: float) -> int:
+    """Most tokens RLD may produce for one request; shrinks as RLD fills up."""
+    scaled = handoff.relay_cap_tokens * max(0.0, 1.0 - rld_load)
+    return max(handoff.min_relay_cap_tokens, int(scaled))
