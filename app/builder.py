@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from app.config import ConfigError, NodeGroup, PDDConfig, parse_config
 from app.ingress import ConductorIngress
+from app.links import LinkEmulators
 from app.roles import ROLE_DEPLOYMENTS
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,18 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         )
     home = config.roles.prefill or config.roles.main_decode
     assert home is not None  # every mode needs one of them (validated)
-    ingress_options = actor_options(config, home.node_group, with_accelerators=False)
-    ingress_options["num_cpus"] = min(ingress_options["num_cpus"], 0.25)
+    light = actor_options(config, home.node_group, with_accelerators=False)
+    light["num_cpus"] = min(light["num_cpus"], 0.25)
+    # the relays sit on the receiving side of the WAN: KV crosses to main_decode's nodes
+    receiver = config.roles.main_decode or home
+    link_options = actor_options(config, receiver.node_group, with_accelerators=False)
+    link_options["num_cpus"] = min(link_options["num_cpus"], 0.25)
+    links = LinkEmulators.options(
+        ray_actor_options=link_options,
+        user_config={"links": [lc.model_dump(mode="json") for lc in config.links]},
+    ).bind()
     return ConductorIngress.options(
-        ray_actor_options=ingress_options,
+        ray_actor_options=light,
         user_config=config.live_knobs().model_dump(mode="json"),
-    ).bind(config_dict, engines)
+    ).bind(config_dict, engines, links)
 

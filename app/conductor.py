@@ -1,19 +1,35 @@
-"""Runs one request through its pipeline and turns engine tokens into client text."""
+"""Runs one request through its pipeline and turns engine tokens into client text.
+
+Pipelines yield token batches in client order, each tagged with the role that
+produced it; `Conductor.generate` assembles text (stop strings included),
+times every token, records the journey and the metrics. The PD baselines live
+here; the PDD relay/handoff machinery is in app/relay.py.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+from msgspec.structs import replace
 from tokenizers import Tokenizer
 
+from app import metrics
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
-from app.engine_client import EngineClient
-from app.journal import Journal, Journey
+from app.engine import ReplicaInfo
+from app.engine_client import EngineClient, NoReplicaError
+from app.journal import Journal, Journey, Transfer
+from app.kv.params import LEASE, PRODUCE, PULL
+from app.kv.link import direction_name
+from app.kv.transport import release_lease
+from app.policy import Pipeline
+from app.prefix_index import PrefixIndex
 from app.textstream import TextAssembler
-from app.token_channel import EngineRequest, SamplingOptions
+from app.token_channel import EngineDelta, EngineRequest, SamplingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +58,7 @@ class Output:
 
 
 @dataclass
-class _Tokens:
+class Tokens:
     """Tokens from one engine, in client order."""
 
     token_ids: list[int]
@@ -50,13 +66,39 @@ class _Tokens:
     finish_reason: str | None = None
 
 
+class LinkDirectory:
+    """Relay addresses of the Links deployment, fetched once."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self._relays: dict[str, tuple[str, int]] | None = None
+
+    async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
+        if self._relays is None:
+            self._relays = await self._handle.describe.remote()
+        name = direction_name(src_dc, dst_dc)
+        if name not in self._relays:
+            raise EngineError(f"no link configured for {name}")
+        return name, self._relays[name]
+
+
+def check(delta: EngineDelta, role: RoleName) -> EngineDelta:
+    if delta.error:
+        raise EngineError(f"{role.value} engine failed: {delta.error}")
+    return delta
+
+
 class Conductor:
-    def __init__(self, config: PDDConfig, engines: EngineClient, tokenizer: Tokenizer):
+    def __init__(self, config: PDDConfig, engines: EngineClient, links: LinkDirectory, tokenizer: Tokenizer):
         self.config = config
         self.engines = engines
+        self.links = links
         self.tokenizer = tokenizer
         self.knobs = config.live_knobs()
         self.journal = Journal()
+        self.index = PrefixIndex(config.model.block_size)
+        self.background: set[asyncio.Task] = set()
+        """Engine work that outlives its request (an MD warm-up after the relay finished)."""
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         self.knobs = knobs
@@ -71,19 +113,21 @@ class Conductor:
             )
         )
         assembler = TextAssembler(self.tokenizer, req.prompt_token_ids, req.stop)
-        last_token_at: float | None = None
+        t0 = time.monotonic()
+        first_at = last_at = None
         max_gap = 0.0
         finish_reason: str | None = None
+        outcome = "cancelled"
         pipeline = self._pipeline(req, journey)
         try:
             async for batch in pipeline:
-                now = time.monotonic()
                 if batch.token_ids:
-                    if last_token_at is None:
-                        journey.ttft_ms = (time.time() - journey.started_at) * 1000
+                    now = time.monotonic()
+                    if first_at is None:
+                        first_at = now
                     else:
-                        max_gap = max(max_gap, now - last_token_at)
-                    last_token_at = now
+                        max_gap = max(max_gap, now - last_at)
+                    last_at = now
                     journey.note_tokens(batch.role.value, len(batch.token_ids))
                 delta = assembler.feed(batch.token_ids)
                 journey.completion_tokens = assembler.num_tokens
@@ -94,42 +138,178 @@ class Conductor:
                     break
                 if batch.finish_reason is not None:
                     finish_reason = batch.finish_reason
-                    tail = assembler.finish()
-                    yield Output(delta.text + tail, assembler.num_tokens)
+                    yield Output(delta.text + assembler.finish(), assembler.num_tokens)
                     break
                 if delta.text:
                     yield Output(delta.text, assembler.num_tokens)
-        except BaseException as exc:
+            outcome = "ok"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            outcome = "error"
             journey.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             await pipeline.aclose()
+            journey.ttft_ms = None if first_at is None else (first_at - t0) * 1000
+            journey.decode_ms = None if first_at is None else (last_at - first_at) * 1000
             journey.max_gap_ms = max_gap * 1000
             journey.finish_reason = finish_reason
             journey.finished_at = time.time()
-        yield Output("", assembler.num_tokens, finish_reason=_openai_finish_reason(finish_reason))
+            metrics.record_journey(journey, self.config.slo, outcome)
+        yield Output("", assembler.num_tokens, finish_reason="length" if finish_reason == "length" else "stop")
 
-    async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[_Tokens]:
+    async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
         if req.mode is Mode.colocated:
-            async for t in self._colocated(req, journey):
-                yield t
+            stream = self._colocated(req, journey)
+        elif req.mode is Mode.pd_intra_dc:
+            stream = self._pd(req, journey, RoleName.relay_decode, first_token_from_prefill=True)
+        elif req.mode is Mode.pd_cross_dc_naive:
+            stream = self._pd(req, journey, RoleName.main_decode, first_token_from_prefill=False)
         else:
-            raise NotImplementedError(f"mode {req.mode.value} is not built yet")
+            from app.relay import pdd_pipeline
 
-    async def _colocated(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[_Tokens]:
-        journey.pipeline = "colocated"
-        role = RoleName.main_decode
-        replica = await self.engines.pick(role)
-        journey.replicas[role.value] = replica.replica_id
-        request = EngineRequest(req.request_id, req.prompt_token_ids, req.sampling)
+            stream = pdd_pipeline(self, req, journey)
+        async for batch in stream:
+            yield batch
+
+    # ---- building blocks (also used by app/relay.py) -----------------------------
+
+    async def route(self, role: RoleName, keys: list[int], journey: Journey) -> tuple[ReplicaInfo, int]:
+        """The replica of `role` expected to hold the longest prefix (unless overloaded)."""
+        infos = {i.replica_id: i for i in await self.engines.replicas(role)}
+        if not infos:
+            raise NoReplicaError(f"no live {role.value} replica")
+        choice = self.index.choose({rid: i.num_kv_blocks for rid, i in infos.items()}, keys, self.engines.load)
+        journey.replicas[role.value] = choice.replica_id
+        return infos[choice.replica_id], choice.cached_tokens
+
+    def remember(self, replica: ReplicaInfo, tokens: list[int], actual_hit: int | None = None, prompt_keys: list[int] | None = None) -> None:
+        """After a request: correct the estimate with the engine's real hit, then
+        record what the replica now holds."""
+        keys = self.index.keys(tokens)
+        if actual_hit is not None:
+            self.index.observe(replica.replica_id, prompt_keys if prompt_keys is not None else keys, actual_hit)
+        self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
+
+    async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncIterator[EngineDelta]:
+        """An engine stream whose transfer report lands in the journey."""
         async for delta in self.engines.stream(replica, request):
-            if delta.error:
-                raise EngineError(f"{role.value} engine failed: {delta.error}")
-            if delta.num_cached_tokens is not None:
-                journey.hit_tokens[role.value] = delta.num_cached_tokens
-            yield _Tokens(delta.token_ids, role, delta.finish_reason if delta.finished else None)
+            check(delta, role)
+            if delta.transfer is not None:
+                self.note_transfer(journey, role, delta.transfer)
+            if delta.finished:  # no pull (all cached): the engine's own count is the hit
+                journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
+            yield delta
 
+    async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
+        """P computes the prompt's KV and the first token; the KV stays leased for `consumers` pulls."""
+        replica, _ = await self.route(RoleName.prefill, keys, journey)
+        request = EngineRequest(
+            f"{req.request_id}-p",
+            req.prompt_token_ids,
+            replace(req.sampling, max_tokens=1),
+            kv_transfer_params={PRODUCE: {"consumers": consumers}},
+        )
+        last = None
+        async for delta in self.engines.stream(replica, request):
+            last = check(delta, RoleName.prefill)
+        assert last is not None and last.finished
+        journey.hit_tokens[RoleName.prefill.value] = last.num_cached_tokens or 0
+        self.remember(replica, req.prompt_token_ids, last.num_cached_tokens or 0, keys)
+        return last, replica
 
-def _openai_finish_reason(reason: str | None) -> str:
-    # vLLM says "length" / "stop" / "abort"; OpenAI knows "length" and "stop".
-    return "length" if reason == "length" else "stop"
+    async def pull_params(self, lease: dict[str, Any], dst_dc: str, *, full: bool = False) -> dict[str, Any]:
+        name, relay = await self.links.relay(lease["datacenter"], dst_dc)
+        return {PULL: {**lease, "relay": relay, "link": name, "full": full}}
+
+    def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any]) -> None:
+        journey.hit_tokens[role.value] = int(report.get("local_hit_tokens", 0))
+        journey.transfers.append(
+            Transfer(
+                link=report.get("link", ""),
+                to_role=role.value,
+                blocks=int(report.get("blocks", 0)),
+                bytes=int(report.get("bytes", 0)),
+                seconds=float(report.get("seconds", 0.0)),
+                ok=bool(report.get("ok", True)),
+                error=report.get("error"),
+            )
+        )
+
+    async def release(self, lease: dict[str, Any] | None) -> None:
+        if lease:
+            await asyncio.to_thread(release_lease, (lease["host"], int(lease["port"])), lease["lease_id"])
+
+    # ---- pipelines ----------------------------------------------------------------
+
+    async def _colocated(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
+        journey.pipeline = Pipeline.colocated.value
+        role = RoleName.main_decode
+        keys = self.index.keys(req.prompt_token_ids)
+        replica, _ = await self.route(role, keys, journey)
+        request = EngineRequest(req.request_id, req.prompt_token_ids, req.sampling)
+        output: list[int] = []
+        async for delta in self.engines.stream(replica, request):
+            check(delta, role)
+            output += delta.token_ids
+            if delta.finished:
+                journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
+                self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
+            yield Tokens(delta.token_ids, role, delta.finish_reason if delta.finished else None)
+
+    async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
+        """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
+
+        pd_cross_dc_naive ships the whole prompt KV across the WAN (a decoder
+        prefix cache does not shrink it) and shows the first token only once the decoder
+        produced its own, as vLLM's disaggregated-prefill proxy does.
+        """
+        journey.pipeline = (Pipeline.p_d if first_token_from_prefill else Pipeline.p_d_naive).value
+        keys = self.index.keys(req.prompt_token_ids)
+        first, _ = await self.prefill(req, journey, consumers=1, keys=keys)
+        lease = (first.kv_transfer_params or {}).get(LEASE)
+        if first.finish_reason != "length" or req.sampling.max_tokens == 1:
+            await self.release(lease)
+            yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason)
+            return
+        if first_token_from_prefill:
+            yield Tokens(first.token_ids, RoleName.prefill)
+        replica, _ = await self.route(decode_role, keys, journey)
+        async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, full=not first_token_from_prefill, hold_first=not first_token_from_prefill):
+            yield batch
+
+    async def continue_on(
+        self,
+        role: RoleName,
+        replica: ReplicaInfo,
+        req: GenerationRequest,
+        journey: Journey,
+        first: EngineDelta,
+        lease: dict[str, Any] | None,
+        keys: list[int],
+        *,
+        full: bool = False,
+        hold_first: bool = False,
+    ) -> AsyncIterator[Tokens]:
+        """A decoder pulls the prompt KV from the lease and decodes after the first token.
+
+        `hold_first`: the first token (already computed by P) reaches the client
+        only with the decoder's first one.
+        """
+        request = EngineRequest(
+            f"{req.request_id}-{role.value}",
+            req.prompt_token_ids + first.token_ids,
+            replace(req.sampling, max_tokens=req.sampling.max_tokens - len(first.token_ids)),
+            kv_transfer_params=await self.pull_params(lease, replica.datacenter, full=full) if lease else None,
+        )
+        held = list(first.token_ids) if hold_first else []
+        output = list(first.token_ids)
+        async for delta in self.decode_stream(role, replica, request, journey):
+            output += delta.token_ids
+            if delta.finished:
+                self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
+            tokens = held + delta.token_ids
+            held = []
+            if tokens or delta.finished:
+                yield Tokens(tokens, role, delta.finish_reason if delta.finished else None)

@@ -11,12 +11,14 @@ path in the message (`roles.prefill.replcas: Extra inputs are not permitted`).
 from __future__ import annotations
 
 import os
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 class _Strict(BaseModel):
@@ -62,6 +64,10 @@ class ModelSpec(_Strict):
     """1 for FP8 weights, 2 for bf16."""
     kv_bytes_per_token: Annotated[int, Field(gt=0)]
     """KV cache bytes one token occupies (all layers)."""
+    attention_flops_per_token_pair: Annotated[float, Field(ge=0)] = 0.0
+    """FLOPs one token spends attending to one earlier token, summed over layers
+    (MHA/GQA: 4 x layers x heads x head_dim; MLA: 2 x layers x heads x (qk_dim +
+    v_dim)). Makes long-context prefill quadratic in the twin; 0 ignores it."""
 
 
 class ModelConfig(_Strict):
@@ -98,6 +104,15 @@ class AcceleratorSpec(_Strict):
     memory_bandwidth_gbps: Annotated[float, Field(gt=0)]
     """HBM bandwidth, GB/s."""
     memory_gib: Annotated[float, Field(gt=0)]
+    """Device memory of one accelerator; the twin's KV capacity is what the
+    replica's accelerators hold beyond the weights."""
+    compute_efficiency: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Fraction of `peak_tflops` a whole engine step reaches (model FLOPs
+    utilisation); 1 is the pure roofline."""
+    bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Fraction of `memory_bandwidth_gbps` weight and KV reads reach."""
+    step_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Fixed cost of one engine step (scheduling, launches, collectives)."""
 
 
 class NodeGroup(_Strict):
@@ -346,12 +361,49 @@ class AgentsConfig(_Strict):
         "routing.max_wan_transfer_ms": KnobBounds(min=0, max=5000, max_step=200),
         "handoff.catch_up_threshold_tokens": KnobBounds(min=8, max=512, max_step=64),
         "handoff.relay_cap_tokens": KnobBounds(min=32, max=4096, max_step=256),
+        "routing.min_hit_rate": KnobBounds(min=0, max=0.95, max_step=0.1),
+        "routing.singular.min_prompt_tokens": KnobBounds(min=1024, max=65536, max_step=4096),
     }
-    """Per-knob bounds; replica bounds come from each role's max_replicas."""
+    """Per-knob bounds; replica bounds come from each role's max_replicas.
+    A numeric knob without bounds here is never changed by the agents."""
     llm: LLMEndpoint | None = None
     """None: the swarm runs rule-routed and chat-ops says how to configure one."""
     audit_db: str = "~/.cache/pdd-serve/agents.sqlite"
     actions_dir: str = "runbooks/actions"
+    dashboard_url: str = "http://127.0.0.1:8265"
+    """Ray dashboard the agents actuate through (Serve REST API: redeploy, scale)."""
+    prometheus_matchers: dict[str, str] = {}
+    """Label matchers added to every agent query, e.g. `{job: ray-prod}` when one
+    Prometheus scrapes several clusters."""
+    confirm_ticks: Annotated[int, Field(ge=1)] = 2
+    """Consecutive ticks a situation must persist before a change is proposed
+    (hysteresis: one noisy scrape never moves a knob)."""
+    regression_tolerance: Annotated[float, Field(gt=0, le=1)] = 0.1
+    """Relative worsening of the SLO score (worst figure / target) after a change
+    that makes the agents roll it back."""
+
+    @field_validator("bounds")
+    @classmethod
+    def _bounds_name_numeric_knobs(cls, v: dict[str, KnobBounds]) -> dict[str, KnobBounds]:
+        for path in v:
+            model: type[BaseModel] = LiveKnobs
+            *parents, leaf = path.split(".")
+            for part in parents:
+                field = model.model_fields.get(part)
+                if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                    raise ValueError(f"'{path}' is not a live knob (routing.* or handoff.*)")
+                model = field.annotation
+            field = model.model_fields.get(leaf)
+            if field is None or not _is_numeric(field.annotation):
+                raise ValueError(f"'{path}' is not a numeric live knob (routing.* or handoff.*)")
+        return v
+
+
+def _is_numeric(annotation: Any) -> bool:
+    """int/float, also inside Annotated[...] and Optional[...] (as `min_hit_rate` is)."""
+    if annotation in (int, float):
+        return True
+    return any(_is_numeric(a) for a in typing.get_args(annotation) if not isinstance(a, FieldInfo))
 
 
 class ServerConfig(_Strict):

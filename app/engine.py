@@ -11,12 +11,14 @@ import logging
 import math
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from app.config import PDDConfig, RoleName
 from app.devmodel import resolve_model_source
+from app.kv.params import PULL
 from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class ReplicaInfo:
     block_size: int
     token_port: int
     """Where app.token_channel serves this replica's token streams (on node_ip)."""
+    kv_bytes_per_block: int
+    """Bytes one KV block holds across all layers (what one block costs on a link)."""
 
 
 def node_ip() -> str:
@@ -50,6 +54,75 @@ def node_ip() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port: int, owner_pid: int):
+    """Every role loads the PDD connector: any engine may produce or consume KV."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="PDDConnector",
+        kv_connector_module_path="app.kv.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "datacenter": config.datacenter_of(role),
+            "host": host,
+            "block_port": block_port,
+            "lease_timeout_s": config.kv.lease_timeout_s,
+            "connect_timeout_s": config.kv.connect_timeout_s,
+            "transfer_timeout_s": config.kv.transfer_timeout_s,
+            "owner_pid": owner_pid,
+        },
+    )
+
+
+class TransferReports:
+    """Pull reports from this engine's connector, by request id, until generate() takes them."""
+
+    def __init__(self, capacity: int = 10_000):
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._capacity = capacity
+
+    def put(self, report: dict[str, Any]) -> None:
+        # the engine core knows vLLM's internal id: ours plus "-" and 8 random characters
+        self._items[report["request_id"].rsplit("-", 1)[0]] = report
+        while len(self._items) > self._capacity:  # requests that ended before their report
+            self._items.popitem(last=False)
+
+    def take(self, request_id: str) -> dict[str, Any] | None:
+        return self._items.pop(request_id, None)
+
+
+def _connector_stats_logger(replica_id: str, reports: TransferReports):
+    """A vLLM stat logger: the connector's lease gauge as a Ray metric, pull reports to `reports`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from app import metrics
+
+    class ConnectorStatsLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self._last: float | None = None
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            for report in data.get("transfers", ()):
+                reports.put(report)
+            live = data.get("leases_live")
+            if live is not None and live != self._last:
+                metrics.registry().set(metrics.LEASES_LIVE, float(live), replica=replica_id)
+                self._last = live
+
+        def log_engine_initialized(self):
+            pass
+
+    return ConnectorStatsLogger
 
 
 def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = None):
@@ -92,7 +165,7 @@ class EngineServer:
 
     role: RoleName
 
-    def __init__(self, config: PDDConfig, role: RoleName, replica_id: str, kv_transfer_config: Any = None):
+    def __init__(self, config: PDDConfig, role: RoleName, replica_id: str):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
@@ -103,13 +176,17 @@ class EngineServer:
         if on_cpu():
             # Read by the engine's worker process at start; whole GiB only.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
-        self.engine = AsyncLLM.from_engine_args(engine_args(config, role, kv_transfer_config))
-        cache = self.engine.vllm_config.cache_config
-        self.num_kv_blocks = int(cache.num_gpu_blocks or 0)
-        self.block_size = int(cache.block_size)
-        self.datacenter = config.datacenter_of(role)
         self._node_ip = node_ip()
         self._node_id = _ray_node_id()
+        self.block_port = free_port()
+        kv = kv_transfer_config(config, role, self._node_ip, self.block_port, os.getpid())
+        self._reports = TransferReports()
+        self.engine = AsyncLLM.from_engine_args(engine_args(config, role, kv), stat_loggers=[_connector_stats_logger(replica_id, self._reports)])
+        vllm_config = self.engine.vllm_config
+        self.num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.kv_bytes_per_block = _kv_bytes_per_block(vllm_config)
+        self.datacenter = config.datacenter_of(role)
         self._token_server = TokenStreamServer(self.generate)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
@@ -129,11 +206,13 @@ class EngineServer:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
-            skip_reading_prefix_cache=request.skip_prefix_cache or None,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        pulling = request.kv_transfer_params is not None and PULL in request.kv_transfer_params
         async for out in self.engine.generate(prompt, params, request.request_id):
             completion = out.outputs[0]
+            transfer = self._reports.take(request.request_id) if pulling else None
+            pulling = pulling and transfer is None
             yield EngineDelta(
                 request_id=request.request_id,
                 token_ids=list(completion.token_ids),
@@ -142,6 +221,7 @@ class EngineServer:
                 num_prompt_tokens=len(out.prompt_token_ids or ()),
                 num_cached_tokens=out.num_cached_tokens,
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                transfer=transfer,
             )
 
     # `target_replica` is read by the affinity router, not here.
@@ -163,6 +243,7 @@ class EngineServer:
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             token_port=token_port,
+            kv_bytes_per_block=self.kv_bytes_per_block,
         )
 
     async def check_health(self) -> None:
@@ -170,6 +251,17 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _kv_bytes_per_block(vllm_config) -> int:
+    import torch
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = vllm_config.cache_config.cache_dtype
+    elem = torch.tensor([], dtype=model.dtype).element_size() if dtype == "auto" else 1
+    per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size() * elem
+    return per_token * vllm_config.cache_config.block_size
 
 
 def _ray_node_id() -> str:

@@ -55,16 +55,6 @@ class EngineClient:
         channel = self._channels.get(replica_id)
         return channel.active_streams if channel is not None else 0
 
-    async def pick(self, role: RoleName, preferred: str | None = None) -> ReplicaInfo:
-        """The preferred replica when it is alive, else the least loaded one."""
-        infos = await self.replicas(role)
-        if not infos:
-            raise NoReplicaError(f"no live {role.value} replica")
-        for info in infos:
-            if info.replica_id == preferred:
-                return info
-        return min(infos, key=lambda i: self.load(i.replica_id))
-
     def _channel(self, info: ReplicaInfo) -> TokenStreamClient:
         channel = self._channels.get(info.replica_id)
         if channel is None or channel.closed:

@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.conductor import Conductor, GenerationRequest, Output
+from app.conductor import Conductor, GenerationRequest, LinkDirectory, Output
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient
@@ -166,7 +166,7 @@ class Admission:
 @serve.deployment(name="Conductor", max_ongoing_requests=1024)
 @serve.ingress(api)
 class ConductorIngress:
-    def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle]):
+    def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle], links: DeploymentHandle):
         from transformers import AutoTokenizer
 
         self.config = PDDConfig.model_validate(config)
@@ -174,7 +174,7 @@ class ConductorIngress:
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError("model.source: pdd-serve needs a model with a fast (tokenizers) tokenizer")
         handles = {RoleName(role): h for role, h in engines.items()}
-        self.conductor = Conductor(self.config, EngineClient(handles), self.tokenizer.backend_tokenizer)
+        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer)
         self.keys = ApiKeys(self.config.server.api_keys)
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()

@@ -43,6 +43,8 @@ class Journey:
     token_sources: list[list[Any]] = field(default_factory=list)
     """Runs of [role, count] in client order: who produced each token."""
     ttft_ms: float | None = None
+    decode_ms: float | None = None
+    """First to last token."""
     max_gap_ms: float | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -56,6 +58,12 @@ class Journey:
             self.token_sources[-1][1] += count
         else:
             self.token_sources.append([role, count])
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.decode_ms is None or self.completion_tokens < 2:
+            return None
+        return self.decode_ms / 1000 / (self.completion_tokens - 1)
 
     @property
     def duration_ms(self) -> float | None:

@@ -117,6 +117,49 @@ def registry() -> _Registry:
     return _registry
 
 
+def record_journey(journey, slo, outcome: str) -> None:
+    """Everything one finished request contributes to the metrics (app/journal.Journey)."""
+    r = registry()
+    pipeline = journey.pipeline or "none"
+    r.inc(REQUESTS, mode=journey.mode, pipeline=pipeline, outcome=outcome)
+    if outcome != "ok":
+        return
+    if journey.ttft_ms is not None:
+        r.observe(TTFT, journey.ttft_ms / 1000, pipeline=pipeline)
+        if journey.ttft_ms > slo.ttft_ms:
+            r.inc(SLO_VIOLATIONS, pipeline=pipeline, slo="ttft")
+    tpot = journey.tpot_s
+    if tpot is not None:
+        r.observe(TPOT, tpot, pipeline=pipeline)
+        if tpot * 1000 > slo.tpot_ms:
+            r.inc(SLO_VIOLATIONS, pipeline=pipeline, slo="tpot")
+    if journey.max_gap_ms is not None and journey.completion_tokens > 1:
+        r.observe(MAX_GAP, journey.max_gap_ms / 1000, pipeline=pipeline)
+        if journey.max_gap_ms > slo.max_gap_ms:
+            r.inc(SLO_VIOLATIONS, pipeline=pipeline, slo="gap")
+    for role, hit in journey.hit_tokens.items():
+        if journey.prompt_tokens:
+            r.observe(PREFIX_HIT, min(hit, journey.prompt_tokens) / journey.prompt_tokens, role=role)
+            r.inc(PROMPT_TOKENS, journey.prompt_tokens, role=role)
+            r.inc(CACHED_TOKENS, min(hit, journey.prompt_tokens), role=role)
+    for t in journey.transfers:
+        r.inc(KV_BYTES, t.bytes, link=t.link)
+        r.inc(KV_BLOCKS, t.blocks, link=t.link)
+        r.observe(KV_SECONDS, t.seconds, link=t.link)
+        if not t.ok:
+            r.inc(KV_FAILURES, link=t.link, reason=(t.error or "error").split(":")[0])
+    if journey.handoff:
+        mode = journey.handoff.get("mode", "none")
+        if journey.handoff.get("latency_ms") is not None:
+            r.observe(HANDOFF, journey.handoff["latency_ms"] / 1000, mode=mode)
+        r.observe(HANDOFF_TOKENS, journey.handoff.get("tokens", 0), mode=mode)
+    relay = sum(n for role, n in journey.token_sources if role == "relay_decode")
+    if journey.pipeline in ("P-RLD-MD", "P-RLD"):
+        r.observe(RELAY_TOKENS, relay)
+    if journey.pipeline == "P-RLD":
+        r.inc(SINGULAR)
+
+
 def markdown_table() -> str:
     """The README's metrics table, from the specs above."""
     rows = ["| scraped name | type | labels | meaning |", "|---|---|---|---|"]

@@ -17,6 +17,7 @@ Rules (../shared/PDD.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -26,7 +27,9 @@ from app.config import HandoffConfig, HandoffMode, RoutingConfig
 class Pipeline(str, Enum):
     colocated = "colocated"
     p_d = "P-D"
-    """The classic PD baselines (pd_intra_dc, pd_cross_dc_naive)."""
+    """Classic PD within one datacenter (pd_intra_dc)."""
+    p_d_naive = "P-D-naive"
+    """Classic PD across the WAN, full KV, first token from the decoder (pd_cross_dc_naive)."""
     p_md = "P-MD"
     p_rld_md = "P-RLD-MD"
     p_rld = "P-RLD"
@@ -146,3 +149,21 @@ def relay_cap(handoff: HandoffConfig, rld_load: float) -> int:
     """Most tokens RLD may produce for one request; shrinks as RLD fills up."""
     scaled = handoff.relay_cap_tokens * max(0.0, 1.0 - rld_load)
     return max(handoff.min_relay_cap_tokens, int(scaled))
+
+
+def pick_replica(preferred: int | None, loads: Sequence[float]) -> int:
+    """Index of the replica for a request, by conversation affinity.
+
+    `preferred` is the replica that served the conversation before (its prefix
+    cache holds the conversation, so P's and MD's caches stay aligned turn
+    after turn); without one, or when it is gone, the least loaded replica
+    (the first on ties). The twin calls this for every role; it is the choice
+    EngineClient.pick makes among live replicas.
+    """
+    if preferred is not None and 0 <= preferred < len(loads):
+        return preferred
+    best = 0
+    for i, load in enumerate(loads):
+        if load < loads[best]:
+            best = i
+    return best

@@ -45,8 +45,6 @@ class EngineRequest(msgspec.Struct, tag="gen"):
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     kv_transfer_params: dict[str, Any] | None = None
-    skip_prefix_cache: bool = False
-    """Ignore the engine's own prefix cache (baselines that must pay full transfers)."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -64,6 +62,8 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache or loaded by the KV connector."""
     kv_transfer_params: dict[str, Any] | None = None
+    transfer: dict[str, Any] | None = None
+    """The KV pull this request made, once it finished (app/kv/connector.py)."""
     error: str | None = None
 
 

@@ -1,0 +1,227 @@
+"""Link emulation on the real byte stream: a TCP relay per direction, paced by a link model.
+
+Linux `tc netem` is unavailable here, so links are emulated in user space: a
+decoder's KV pull connects to the relay of its (source -> destination)
+datacenter pair, names the prefill replica it wants, and the relay forwards
+the bytes both ways, holding the data coming back to the model's RTT, jitter,
+stalls and bandwidth. Cutting a link closes its live connections and refuses
+new ones until the cut ends, so decoders see real mid-transfer failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from app.config import LinkConfig
+
+logger = logging.getLogger(__name__)
+
+#: Bytes forwarded per pacing step: small enough for smooth pacing, large
+#: enough that Python's per-chunk cost stays far below the emulated rates.
+CHUNK_BYTES = 64 * 1024
+PREAMBLE_LIMIT = 512
+
+
+def direction_name(src_dc: str, dst_dc: str) -> str:
+    return f"{src_dc}->{dst_dc}"
+
+
+class LinkModel:
+    """Seeded draws of one transfer's latency, stall and pacing from a LinkConfig."""
+
+    def __init__(self, config: LinkConfig, seed_salt: int = 0):
+        self.config = config
+        self._rng = random.Random(config.seed * 1_000_003 + seed_salt)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.config.bandwidth_mbps * 1e6 / 8
+
+    def jitter_s(self) -> float:
+        j = self.config.jitter
+        if j.distribution == "none" or j.mean_ms <= 0:
+            return 0.0
+        if j.distribution == "normal":
+            draw = self._rng.gauss(j.mean_ms, j.std_ms)
+        elif j.distribution == "lognormal":
+            # parameters chosen so the draw's mean and std are mean_ms and std_ms
+            var = math.log(1 + (j.std_ms / j.mean_ms) ** 2)
+            draw = self._rng.lognormvariate(math.log(j.mean_ms) - var / 2, math.sqrt(var))
+        elif j.distribution == "exponential":
+            draw = self._rng.expovariate(1 / j.mean_ms)
+        else:  # pareto with the given mean
+            scale = j.mean_ms * (j.pareto_shape - 1) / j.pareto_shape
+            draw = scale * self._rng.paretovariate(j.pareto_shape)
+        return min(max(draw, 0.0), j.max_ms) / 1000
+
+    def first_byte_delay_s(self) -> float:
+        return self.config.rtt_ms / 1000 + self.jitter_s()
+
+    def stall_s(self) -> float:
+        """Seconds this transfer pauses after its first chunk (0: no stall)."""
+        s = self.config.stall
+        if s.probability <= 0 or s.duration_ms <= 0 or self._rng.random() >= s.probability:
+            return 0.0
+        return s.duration_ms / 1000
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """What an idle link needs for one pull of `nbytes` (no jitter, no stall)."""
+        return self.config.rtt_ms / 1000 + nbytes / self.bytes_per_s
+
+
+@dataclass
+class LinkCounters:
+    connections: int = 0
+    bytes_down: int = 0
+    """Bytes from the source datacenter to the destination (KV data)."""
+    cut_connections: int = 0
+
+
+@dataclass
+class _Cut:
+    until: float = 0.0  # monotonic time; inf for "until restored"
+
+    def active(self) -> bool:
+        return time.monotonic() < self.until
+
+
+class LinkRelay:
+    """One direction of one link: forwards pulls from destination-side decoders to sources."""
+
+    def __init__(self, name: str, model: LinkModel, host: str = "0.0.0.0"):
+        self.name = name
+        self.model = model
+        self._host = host
+        self._server: asyncio.AbstractServer | None = None
+        self.port: int | None = None
+        self.counters = LinkCounters()
+        self._cut = _Cut()
+        self._live: set[asyncio.StreamWriter] = set()
+        self._free_at = 0.0  # when the link's bandwidth is next free (pulls share it)
+
+    async def start(self) -> int:
+        if self._server is None:
+            self._server = await asyncio.start_server(self._serve, self._host, 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+        assert self.port is not None
+        return self.port
+
+    def update(self, model: LinkModel) -> None:
+        self.model = model
+
+    def cut(self, seconds: float | None) -> None:
+        """Sever the link for `seconds` (None: until `restore`), dropping live pulls."""
+        self._cut.until = math.inf if seconds is None else time.monotonic() + seconds
+        for writer in list(self._live):
+            self.counters.cut_connections += 1
+            writer.transport.abort()
+
+    def restore(self) -> None:
+        self._cut.until = 0.0
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut.active()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._cut.active():
+            client_w.transport.abort()
+            return
+        self.counters.connections += 1
+        target_w = None
+        try:
+            line = await client_r.readuntil(b"\n")
+            host, _, port = line[: PREAMBLE_LIMIT].decode().strip().rpartition(":")
+            target_r, target_w = await asyncio.open_connection(host, int(port))
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            logger.info("link %s: cannot open relay: %s", self.name, exc)
+            client_w.transport.abort()
+            return
+        self._live.update((client_w, target_w))
+        up = asyncio.create_task(self._pipe_up(client_r, target_w))
+        try:
+            await self._pipe_down(target_r, client_w)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            up.cancel()
+            self._live.discard(client_w)
+            self._live.discard(target_w)
+            for w in (client_w, target_w):
+                with contextlib.suppress(Exception):
+                    w.close()
+
+    async def _pipe_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Requests from the decoder to the source: small, sent as they come."""
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            while data := await reader.read(CHUNK_BYTES):
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+
+    async def _pipe_down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """KV data from the source: first byte after RTT + jitter, then paced; a drawn
+        stall pauses the transfer once it has begun."""
+        chunks = 0
+        stall_s = self.model.stall_s()
+        while data := await reader.read(CHUNK_BYTES):
+            if chunks == 0:
+                await asyncio.sleep(self.model.first_byte_delay_s())
+            elif chunks == 1 and stall_s:
+                await asyncio.sleep(stall_s)
+            chunks += 1
+            now = time.monotonic()
+            # pulls share the bandwidth: each chunk queues behind what is already on the wire
+            start = max(now, self._free_at)
+            self._free_at = start + len(data) / self.model.bytes_per_s
+            if self._free_at > now:
+                await asyncio.sleep(self._free_at - now)
+            if self._cut.active():
+                raise ConnectionResetError("link cut")
+            self.counters.bytes_down += len(data)
+            writer.write(data)
+            await writer.drain()
+
+    async def close(self) -> None:
+        self.cut(0)
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+
+@dataclass
+class LinkSet:
+    """Relays for every direction of every configured link."""
+
+    relays: dict[str, LinkRelay] = field(default_factory=dict)
+
+    @classmethod
+    def from_configs(cls, configs: list[LinkConfig], host: str = "0.0.0.0") -> "LinkSet":
+        links = cls()
+        links.update(configs, host)
+        return links
+
+    def update(self, configs: list[LinkConfig], host: str = "0.0.0.0") -> None:
+        for i, cfg in enumerate(configs):
+            a, b = cfg.between
+            for src, dst in {(a, b), (b, a)}:
+                name = direction_name(src, dst)
+                model = LinkModel(cfg, seed_salt=i * 2 + (src > dst))
+                if name in self.relays:
+                    self.relays[name].update(model)
+                else:
+                    self.relays[name] = LinkRelay(name, model, host)
+
+    async def start(self) -> dict[str, int]:
+        return {name: await relay.start() for name, relay in self.relays.items()}
+
+    async def close(self) -> None:
+        for relay in self.relays.values():
+            await relay.close()

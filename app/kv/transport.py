@@ -1,0 +1,318 @@
+"""Moving KV blocks: the prefill side's block server and the decoding side's pull.
+
+Runs inside vLLM's worker process (threads and blocking sockets: there is no
+event loop there). A pull names a lease (the prefill request id) and the block
+indices it wants; the server answers with a header describing the block layout
+and then the raw bytes, block by block, layer by layer. Both sides must hold
+the same model, dtype and block size: the layout is checked, never assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!I")
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class PullRequest(msgspec.Struct):
+    lease_id: str
+    indices: list[int]
+    """Positions in the lease's block list to send, in order."""
+    puller: str
+    """Who pulls (request id on the decoding side), for logs."""
+
+
+class PullHeader(msgspec.Struct):
+    ok: bool
+    error: str | None = None
+    layout: list[tuple[str, list[int], str]] = []
+    """Per layer (sorted by name): name, shape of one block, dtype."""
+    block_nbytes: int = 0
+    count: int = 0
+
+
+def _send_msg(sock: socket.socket, msg: msgspec.Struct) -> None:
+    body = msgspec.msgpack.encode(msg)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _recv_msg(sock: socket.socket, typ: type[msgspec.Struct]):
+    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if size > MAX_HEADER_BYTES:
+        raise ConnectionError(f"header of {size} bytes exceeds the limit")
+    return msgspec.msgpack.decode(_recv_exact(sock, size), type=typ)
+
+
+@dataclass
+class KVLayout:
+    """How one engine's paged KV cache is laid out, per layer."""
+
+    tensors: dict[str, torch.Tensor]
+    block_dims: dict[str, int]
+
+    @classmethod
+    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> "KVLayout":
+        dims = {}
+        for name, t in kv_caches.items():
+            dim = next((d for d, size in enumerate(t.shape) if size == num_blocks), None)
+            if dim is None:
+                raise ValueError(f"cannot find the block dimension of {name} {tuple(t.shape)} ({num_blocks} blocks)")
+            dims[name] = dim
+        return cls(dict(sorted(kv_caches.items())), dims)
+
+    def describe(self) -> list[tuple[str, list[int], str]]:
+        out = []
+        for name, t in self.tensors.items():
+            shape = list(t.shape)
+            del shape[self.block_dims[name]]
+            out.append((name, shape, str(t.dtype).removeprefix("torch.")))
+        return out
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(t.select(self.block_dims[n], 0).numel() * t.element_size() for n, t in self.tensors.items())
+
+    def block_bytes(self, block_id: int) -> list[memoryview]:
+        views = []
+        for name, t in self.tensors.items():
+            part = t.select(self.block_dims[name], block_id)
+            if not part.is_contiguous() or part.device.type != "cpu":
+                part = part.contiguous().cpu()
+            views.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
+        return views
+
+    def write_block(self, block_id: int, data: memoryview) -> None:
+        offset = 0
+        for name, t in self.tensors.items():
+            dst = t.select(self.block_dims[name], block_id)
+            n = dst.numel() * t.element_size()
+            src = torch.frombuffer(data[offset : offset + n], dtype=torch.uint8).view(t.dtype).view(dst.shape)
+            dst.copy_(src)
+            offset += n
+
+
+# ---- prefill side ---------------------------------------------------------------
+
+
+@dataclass
+class Lease:
+    block_ids: list[int]
+    consumers: int
+    expires_at: float
+    pulls: int = 0
+
+
+@dataclass
+class LeaseTable:
+    """Leases a prefill worker serves; `done` collects those to free (pulled or expired)."""
+
+    leases: dict[str, Lease] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def add(self, lease_id: str, block_ids: list[int], consumers: int, ttl_s: float) -> None:
+        with self.cond:
+            if consumers <= 0:
+                self.done.add(lease_id)
+                return
+            self.leases[lease_id] = Lease(list(block_ids), consumers, time.monotonic() + ttl_s)
+            self.cond.notify_all()
+
+    def wait(self, lease_id: str, timeout_s: float) -> Lease | None:
+        """The lease, waiting briefly: a pull can arrive before the engine's next
+        step hands the finished prefill's lease to this worker."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while lease_id not in self.leases:
+                left = deadline - time.monotonic()
+                if left <= 0 or lease_id in self.done:
+                    return None
+                self.cond.wait(left)
+            return self.leases[lease_id]
+
+    def pulled(self, lease_id: str) -> None:
+        with self.cond:
+            lease = self.leases.get(lease_id)
+            if lease is None:
+                return
+            lease.pulls += 1
+            if lease.pulls >= lease.consumers:
+                del self.leases[lease_id]
+                self.done.add(lease_id)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        with self.cond:
+            gone = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]
+            for lid in gone:
+                del self.leases[lid]
+                self.done.add(lid)
+            return gone
+
+    def take_done(self) -> set[str]:
+        with self.cond:
+            out, self.done = self.done, set()
+            return out
+
+    def __len__(self) -> int:
+        with self.cond:
+            return len(self.leases)
+
+
+class BlockServer:
+    """Serves leased blocks to pulling decoders (a thread per connection)."""
+
+    def __init__(self, layout_fn: Callable[[], KVLayout | None], leases: LeaseTable, host: str, port: int, lease_wait_s: float = 2.0):
+        self._layout_fn = layout_fn
+        self.leases = leases
+        self._lease_wait_s = lease_wait_s
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                server._handle(self.request)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self._tcp = socketserver.ThreadingTCPServer((host, port), Handler)
+        self._tcp.daemon_threads = True
+        self.port = self._tcp.server_address[1]
+        self._thread = threading.Thread(target=self._tcp.serve_forever, name="pdd-kv-block-server", daemon=True)
+        self._thread.start()
+
+    def _handle(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            req = _recv_msg(sock, PullRequest)
+        except (ConnectionError, OSError, msgspec.DecodeError):
+            return
+        try:
+            layout = self._layout_fn()
+            lease = self.leases.wait(req.lease_id, self._lease_wait_s)
+            if layout is None or lease is None:
+                why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
+                _send_msg(sock, PullHeader(ok=False, error=why))
+                return
+            bad = [i for i in req.indices if not 0 <= i < len(lease.block_ids)]
+            if bad:
+                _send_msg(sock, PullHeader(ok=False, error=f"block indices {bad[:5]} outside the lease's {len(lease.block_ids)} blocks"))
+                return
+            _send_msg(sock, PullHeader(ok=True, layout=layout.describe(), block_nbytes=layout.block_nbytes, count=len(req.indices)))
+            for i in req.indices:
+                for view in layout.block_bytes(lease.block_ids[i]):
+                    sock.sendall(view)
+        except (ConnectionError, OSError) as exc:
+            logger.info("pull of lease %s by %s broke off: %s", req.lease_id, req.puller, exc)
+        finally:
+            self.leases.pulled(req.lease_id)
+
+    def close(self) -> None:
+        self._tcp.shutdown()
+        self._tcp.server_close()
+
+
+# ---- decoding side --------------------------------------------------------------
+
+
+@dataclass
+class PullSpec:
+    """One decoder request's pull, as the scheduler side planned it."""
+
+    request_id: str
+    lease_id: str
+    source: tuple[str, int]
+    """The prefill replica's block server."""
+    relay: tuple[str, int] | None
+    """The link relay to go through (None: connect directly)."""
+    link: str
+    remote_indices: list[int]
+    local_block_ids: list[int | None]
+    """Where each pulled block goes; None: received but not written (the
+    decoder already holds it; naive full transfers send it anyway)."""
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    link: str
+    requested_blocks: int = 0
+    """0 for a pull that only releases the consumer's share of a lease."""
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    ok: bool = True
+    error: str | None = None
+    failed_block_ids: list[int] = field(default_factory=list)
+
+
+def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float) -> PullResult:
+    """Fetch the blocks into this engine's cache; failures are reported, never raised."""
+    result = PullResult(spec.request_id, spec.link, requested_blocks=len(spec.remote_indices))
+    t0 = time.monotonic()
+    written: set[int] = set()
+    try:
+        target = spec.relay or spec.source
+        sock = socket.create_connection(target, timeout=connect_timeout_s)
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(transfer_timeout_s)
+            if spec.relay is not None:
+                sock.sendall(f"{spec.source[0]}:{spec.source[1]}\n".encode())
+            _send_msg(sock, PullRequest(spec.lease_id, spec.remote_indices, spec.request_id))
+            header = _recv_msg(sock, PullHeader)
+            if not header.ok:
+                raise ConnectionError(header.error or "refused")
+            mine = layout.describe()
+            if [list(x) for x in header.layout] != [list(x) for x in mine]:
+                raise ValueError(f"KV layout differs: source {header.layout[:1]}..., here {mine[:1]}...")
+            buf = memoryview(bytearray(header.block_nbytes))
+            deadline = t0 + transfer_timeout_s
+            for local in spec.local_block_ids:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"transfer exceeded {transfer_timeout_s:.0f} s")
+                _recv_exact(sock, header.block_nbytes, buf)
+                result.bytes += header.block_nbytes
+                result.blocks += 1
+                if local is not None:
+                    layout.write_block(local, buf)
+                    written.add(local)
+    except (OSError, ConnectionError, ValueError, TimeoutError, msgspec.DecodeError) as exc:
+        result.ok = False
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.failed_block_ids = [b for b in spec.local_block_ids if b is not None and b not in written]
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def release_lease(source: tuple[str, int], lease_id: str, timeout_s: float = 5.0) -> bool:
+    """Give up one consumer's share of a lease without pulling (nothing left to decode)."""
+    try:
+        with socket.create_connection(source, timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            _send_msg(sock, PullRequest(lease_id, [], "release"))
+            return _recv_msg(sock, PullHeader).ok
+    except (OSError, ConnectionError, msgspec.DecodeError):
+        return False

@@ -1,0 +1,53 @@
+"""The Links deployment: the emulated network between datacenters, live-configurable.
+
+One replica hosts a relay per direction of every configured link
+(app/kv/link.py). Its `user_config` is the list of links, so a redeploy with
+new bandwidth/RTT/jitter changes the network without a restart; `cut` and
+`restore` inject outages (tests, fault harness, benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from app.config import LinkConfig
+from app.engine import node_ip
+from app.kv.link import LinkSet
+
+
+@serve.deployment(name="Links", num_replicas=1, max_ongoing_requests=1000)
+class LinkEmulators:
+    def __init__(self) -> None:
+        self._links = LinkSet()
+        self._host = node_ip()
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        configs = [LinkConfig.model_validate(c) for c in user_config.get("links", [])]
+        self._links.update(configs)
+        await self._links.start()
+
+    async def describe(self) -> dict[str, tuple[str, int]]:
+        """Relay address of each direction, e.g. {"dc-a->dc-b": ("10.0.0.5", 41234)}."""
+        ports = await self._links.start()
+        return {name: (self._host, port) for name, port in ports.items()}
+
+    async def cut(self, direction: str, seconds: float | None = None) -> None:
+        """Sever one direction (e.g. "dc-a->dc-b") for `seconds`, or until restore."""
+        self._relay(direction).cut(seconds)
+
+    async def restore(self, direction: str) -> None:
+        self._relay(direction).restore()
+
+    async def counters(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: {**vars(relay.counters), "is_cut": relay.is_cut, "bandwidth_mbps": relay.model.config.bandwidth_mbps, "rtt_ms": relay.model.config.rtt_ms}
+            for name, relay in self._links.relays.items()
+        }
+
+    def _relay(self, direction: str):
+        try:
+            return self._links.relays[direction]
+        except KeyError:
+            raise ValueError(f"no link direction '{direction}' (known: {', '.join(sorted(self._links.relays))})") from None

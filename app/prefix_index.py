@@ -1,0 +1,121 @@
+"""Which replica holds which prompt prefix: hit estimates and affinity.
+
+An index of what was routed, not vLLM's KV cache events. Why: the estimate is
+needed before routing, in the conductor, and what was routed is exact there at
+no cost, while KV events would need a subscriber per engine and would still
+lag the routing decisions they must inform. Evictions, the one thing routing
+cannot see, are learned from the engines' own reports: every response says how
+many prompt tokens the engine actually found cached, and a shortfall truncates
+the index (`observe`). Capacity is bounded per replica (LRU over blocks), sized
+from the replica's real KV cache.
+
+Keys are chained block hashes (a block's key covers every token before it), so
+one dictionary lookup per block answers "how long a prefix does this replica
+hold", as vLLM's own prefix cache does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+def block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`."""
+    keys = []
+    parent = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
+class ReplicaCache:
+    """One replica's cached blocks as the conductor knows them (LRU-bounded)."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity = max(1, capacity_blocks)
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def matched_blocks(self, keys: Sequence[int]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def add(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def forget_from(self, keys: Sequence[int], first: int) -> None:
+        """The replica no longer holds keys[first:] (it reported a shorter hit)."""
+        for key in keys[first:]:
+            self._blocks.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica_id: str
+    cached_tokens: int
+    """Prompt tokens this replica is expected to hold."""
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, imbalance_limit: int = 8):
+        self.block_size = block_size
+        self.imbalance_limit = imbalance_limit
+        """A replica this many requests busier than the idlest one loses its affinity."""
+        self._replicas: dict[str, ReplicaCache] = {}
+
+    def _cache(self, replica_id: str, capacity_blocks: int) -> ReplicaCache:
+        cache = self._replicas.get(replica_id)
+        if cache is None:
+            cache = self._replicas[replica_id] = ReplicaCache(capacity_blocks)
+        return cache
+
+    def keys(self, tokens: Sequence[int]) -> list[int]:
+        return block_keys(tokens, self.block_size)
+
+    def estimate(self, replica_id: str, keys: Sequence[int]) -> int:
+        cache = self._replicas.get(replica_id)
+        return 0 if cache is None else cache.matched_blocks(keys) * self.block_size
+
+    def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int]) -> Choice:
+        """Longest expected hit, unless that replica is overloaded; ties go to the idlest.
+
+        `candidates` maps live replica ids to their KV capacity in blocks.
+        """
+        if not candidates:
+            raise ValueError("no candidate replicas")
+        for rid, capacity in candidates.items():
+            self._cache(rid, capacity)
+        loads = {rid: load(rid) for rid in candidates}
+        idlest = min(loads.values())
+        eligible = [rid for rid in candidates if loads[rid] - idlest <= self.imbalance_limit]
+        best = min(eligible, key=lambda rid: (-self.estimate(rid, keys), loads[rid], rid))
+        return Choice(best, self.estimate(best, keys))
+
+    def record(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
+        """The replica now holds these blocks (it just computed or received them)."""
+        self._cache(replica_id, capacity_blocks).add(keys)
+
+    def observe(self, replica_id: str, keys: Sequence[int], actual_cached_tokens: int) -> None:
+        """Correct the index with the hit the engine actually found."""
+        cache = self._replicas.get(replica_id)
+        if cache is not None and cache.matched_blocks(keys) * self.block_size > actual_cached_tokens:
+            cache.forget_from(keys, actual_cached_tokens // self.block_size)
+
+    def drop(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    def known_replicas(self) -> list[str]:
+        return list(self._replicas)

@@ -1,0 +1,270 @@
+"""PDD: route by expected WAN transfer; relay on RLD while MD pulls; hand over by extend-decode.
+
+P-RLD-MD, step by step (../shared/DESIGN.md, Request flow):
+1. P prefills and its first token goes to the client at once.
+2. RLD pulls the prompt KV over the intra-datacenter link and keeps decoding;
+   its tokens go to the client as they come ("eager" tokens).
+3. Meanwhile MD warms: a one-token request pulls only the blocks MD lacks over
+   the WAN, which fills MD's prefix cache.
+4. Handoff: MD gets prompt + the eager token IDs (never their KV) and
+   recomputes them in one extend step (catch-up: a first slice while RLD
+   continues, then the rest). RLD is aborted at the handoff point; the client
+   stream continues from MD with no gap, duplicate or missing token.
+
+All decisions (pipeline, handoff mode and steps, relay cap) come from
+app/policy.py, the functions the digital twin runs too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from msgspec.structs import replace
+
+from app.config import HandoffMode, RoleName
+from app.engine import ReplicaInfo
+from app.journal import Journey
+from app.kv.params import LEASE
+from app.policy import (
+    ClusterFacts,
+    HandoffStep,
+    LinkFacts,
+    Pipeline,
+    RequestFacts,
+    choose_pipeline,
+    next_handoff_step,
+    relay_cap,
+    resolve_handoff_mode,
+)
+from app.token_channel import EngineDelta, EngineRequest
+
+if TYPE_CHECKING:
+    from app.conductor import Conductor, GenerationRequest, Tokens
+
+logger = logging.getLogger(__name__)
+
+
+async def rld_load(c: "Conductor") -> tuple[ReplicaInfo | None, float]:
+    """The least loaded RLD replica and its occupancy (relays in flight / batch limit)."""
+    infos = await c.engines.replicas(RoleName.relay_decode)
+    rc = c.config.roles.relay_decode
+    if not infos or rc is None:
+        return None, 1.0
+    best = min(infos, key=lambda i: c.engines.load(i.replica_id))
+    return best, c.engines.load(best.replica_id) / rc.engine.max_num_seqs
+
+
+async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journey) -> AsyncIterator["Tokens"]:
+    from app.conductor import Tokens
+
+    keys = c.index.keys(req.prompt_token_ids)
+    md, md_cached = await c.route(RoleName.main_decode, keys, journey)
+    rld, load = await rld_load(c)
+    link = c.config.link(c.config.datacenter_of(RoleName.prefill), md.datacenter)
+    decision = choose_pipeline(
+        RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
+        ClusterFacts(
+            kv_bytes_per_block=md.kv_bytes_per_block,
+            block_size=md.block_size,
+            wan=LinkFacts(link.bandwidth_mbps * 1e6 / 8, link.rtt_ms / 1000),
+            rld_load=load,
+            rld_available=rld is not None,
+        ),
+        c.knobs.routing,
+    )
+    journey.pipeline = decision.pipeline.value
+    journey.decision = {
+        "reason": decision.reason,
+        "md_hit_estimate": round(decision.md_hit_rate, 4),
+        "blocks_to_send": decision.blocks_to_send,
+        "expected_wan_ms": round(decision.expected_wan_ms, 1),
+        "rld_load": round(load, 3),
+    }
+    consumers = 2 if decision.pipeline is Pipeline.p_rld_md else 1
+    first, _ = await c.prefill(req, journey, consumers, keys)
+    lease = (first.kv_transfer_params or {}).get(LEASE)
+    if first.finish_reason != "length" or req.sampling.max_tokens == 1:
+        for _ in range(consumers):
+            await c.release(lease)
+        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason)
+        return
+    yield Tokens(first.token_ids, RoleName.prefill)
+
+    if decision.pipeline is Pipeline.p_md:
+        stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys)
+    elif decision.pipeline is Pipeline.p_rld:
+        journey.replicas[RoleName.relay_decode.value] = rld.replica_id
+        stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
+    else:
+        journey.replicas[RoleName.relay_decode.value] = rld.replica_id
+        stream = Relay(c, req, journey, md, rld, first, lease, keys, load).run()
+    async for batch in stream:
+        yield batch
+
+
+_END = object()
+
+
+class Relay:
+    """One P-RLD-MD request from the first token on."""
+
+    def __init__(
+        self,
+        c: "Conductor",
+        req: "GenerationRequest",
+        journey: Journey,
+        md: ReplicaInfo,
+        rld: ReplicaInfo,
+        first: EngineDelta,
+        lease: dict[str, Any],
+        keys: list[int],
+        load: float,
+    ):
+        self.c, self.req, self.journey = c, req, journey
+        self.md, self.rld, self.first, self.lease, self.keys = md, rld, first, lease, keys
+        handoff = c.knobs.handoff
+        self.handoff = handoff
+        self.mode: HandoffMode = resolve_handoff_mode(handoff, load)
+        self.cap = relay_cap(handoff, load)
+        self.out: list[int] = list(first.token_ids)
+        """Tokens the client has (the eager tokens MD must catch up on)."""
+
+    def _md_request(self, suffix: str, tokens: list[int], max_tokens: int, kv: dict[str, Any] | None = None) -> EngineRequest:
+        return EngineRequest(
+            f"{self.req.request_id}-{suffix}",
+            self.req.prompt_token_ids + tokens,
+            replace(self.req.sampling, max_tokens=max_tokens),
+            kv_transfer_params=kv,
+        )
+
+    async def _md_step(self, request: EngineRequest) -> None:
+        """A one-token MD request: pull (warm) or extend (catch-up); its token is discarded."""
+        async for _ in self.c.decode_stream(RoleName.main_decode, self.md, request, self.journey):
+            pass
+
+    async def _pump(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+        try:
+            async for delta in self.c.decode_stream(RoleName.relay_decode, self.rld, request, self.journey):
+                queue.put_nowait(delta)
+                if delta.finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - RLD failed: MD takes over early
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    async def run(self) -> AsyncIterator["Tokens"]:
+        from app.conductor import Tokens
+
+        c, req = self.c, self.req
+        rld_request = EngineRequest(
+            f"{req.request_id}-rld",
+            req.prompt_token_ids + self.out,
+            replace(req.sampling, max_tokens=req.sampling.max_tokens - len(self.out)),
+            kv_transfer_params=await c.pull_params(self.lease, self.rld.datacenter),
+        )
+        warm = self._md_request("warm", list(self.out), 1, await c.pull_params(self.lease, self.md.datacenter))
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(rld_request, queue))
+        md_task: asyncio.Task | None = asyncio.create_task(self._md_step(warm))
+        md_covers = len(self.out)  # tokens of `out` whose KV the running/finished MD step computes
+        handed = 0
+        rounds = 0
+        relaying = True
+        next_item = asyncio.create_task(queue.get())
+        try:
+            while True:
+                waiting = {t for t in (md_task, next_item if relaying else None) if t is not None}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if next_item in done:
+                    item = next_item.result()
+                    if item is _END or isinstance(item, Exception):
+                        relaying = False
+                        if isinstance(item, Exception):
+                            self.journey.decision["rld_failure"] = f"{type(item).__name__}: {item}"
+                    else:
+                        tokens = item.token_ids[: max(0, self.cap - (len(self.out) - 1))]
+                        self.out += tokens
+                        finished = item.finished and len(tokens) == len(item.token_ids)
+                        if finished:  # RLD ended the request before the handoff
+                            self._finish_md_in_background(md_task)
+                            md_task = None
+                            self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "relay finished the request"}
+                            yield Tokens(tokens, RoleName.relay_decode, item.finish_reason)
+                            return
+                        if tokens:
+                            yield Tokens(tokens, RoleName.relay_decode)
+                        if len(self.out) - 1 >= self.cap:
+                            relaying = False
+                            self.journey.decision["relay_capped_at"] = self.cap
+                        else:
+                            next_item = asyncio.create_task(queue.get())
+                if md_task is not None and md_task in done:
+                    md_task.result()  # an MD failure surfaces here
+                    handed = md_covers
+                    step = next_handoff_step(len(self.out) - handed, rounds, self.mode, self.handoff) if relaying else HandoffStep.final
+                    if step is HandoffStep.catch_up:
+                        md_covers = len(self.out)
+                        rounds += 1
+                        md_task = asyncio.create_task(self._md_step(self._md_request(f"cu{rounds}", list(self.out), 1)))
+                        continue
+                    break
+        finally:
+            next_item.cancel()
+            pump.cancel()
+            if md_task is not None and not md_task.done():
+                md_task.cancel()
+
+        # Final step: RLD is stopped (pump cancelled: its request is aborted), MD continues.
+        discarded = sum(len(d.token_ids) for d in _drain(queue))
+        t_handoff = time.monotonic()
+        final = self._md_request("md", list(self.out), req.sampling.max_tokens - len(self.out))
+        self.journey.handoff = {
+            "mode": self.mode.value,
+            "point": len(self.out),
+            "steps": rounds + 1,
+            "tokens": len(self.out),
+            "final_step_tokens": len(self.out) - handed,
+            "relay_tokens": len(self.out) - 1,
+            "relay_tokens_discarded": discarded,
+            "latency_ms": None,
+        }
+        output = list(self.out)
+        async for delta in self.c.decode_stream(RoleName.main_decode, self.md, final, self.journey):
+            if delta.token_ids and self.journey.handoff["latency_ms"] is None:
+                self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
+            output += delta.token_ids
+            if delta.finished:
+                self.c.remember(self.md, req.prompt_token_ids + output)
+            if delta.token_ids or delta.finished:
+                yield Tokens(delta.token_ids, RoleName.main_decode, delta.finish_reason if delta.finished else None)
+
+    def _finish_md_in_background(self, md_task: asyncio.Task | None) -> None:
+        """The relay finished the request: MD's warm-up still runs to completion, so
+        MD's cache keeps up with P's for the conversation's next turn."""
+        if md_task is None:
+            return
+        md, keys, c = self.md, self.req.prompt_token_ids + self.first.token_ids, self.c
+
+        def done(task: asyncio.Task) -> None:
+            c.background.discard(task)
+            if not task.cancelled() and task.exception() is None:
+                c.remember(md, keys)
+
+        c.background.add(md_task)
+        md_task.add_done_callback(done)
+
+
+def _drain(queue: asyncio.Queue) -> list[EngineDelta]:
+    items = []
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, EngineDelta):
+            items.append(item)
+    return items

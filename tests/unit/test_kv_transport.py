@@ -1,0 +1,188 @@
+"""Block server, pulls, leases and the link relay over real loopback sockets,
+with real torch tensors standing in for two engines' paged KV caches."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from app.config import LinkConfig
+from app.kv.link import LinkModel, LinkRelay
+from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
+
+NUM_BLOCKS = 16
+LAYERS = 2
+
+
+def caches(seed):
+    g = torch.Generator().manual_seed(seed)
+    # CPU attention layout: [num_blocks, kv_heads, block_size, 2 * head_dim]
+    return {f"layer.{i}": torch.randn(NUM_BLOCKS, 4, 32, 128, generator=g) for i in range(LAYERS)}
+
+
+@pytest.fixture
+def source():
+    kv = caches(1)
+    layout = KVLayout.from_caches(kv, NUM_BLOCKS)
+    leases = LeaseTable()
+    server = BlockServer(lambda: layout, leases, "127.0.0.1", 0, lease_wait_s=0.5)
+    yield kv, layout, leases, server
+    server.close()
+
+
+def spec(server, lease, remote, local, relay=None):
+    return PullSpec("req-1", lease, ("127.0.0.1", server.port), relay, "a->b", remote, local)
+
+
+def test_pull_copies_exactly_the_requested_blocks(source):
+    kv, layout, leases, server = source
+    leases.add("lease-1", block_ids=[3, 7, 9, 11], consumers=1, ttl_s=30)
+    dst = caches(2)
+    dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
+    before = {n: t.clone() for n, t in dst.items()}
+    result = pull_blocks(spec(server, "lease-1", [1, 2], [5, 6]), dst_layout, 2, 10)
+    assert result.ok and result.blocks == 2 and result.bytes == 2 * layout.block_nbytes
+    for name in kv:
+        assert torch.equal(dst[name][5], kv[name][7]) and torch.equal(dst[name][6], kv[name][9])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6)]
+        assert torch.equal(dst[name][untouched], before[name][untouched])
+    assert leases.take_done() == {"lease-1"} and len(leases) == 0
+
+
+def test_block_bytes_are_all_layers_of_one_block(source):
+    kv, layout, *_ = source
+    assert layout.block_nbytes == LAYERS * 4 * 32 * 128 * 4
+
+
+def test_none_destination_receives_but_does_not_write(source):
+    kv, layout, leases, server = source
+    leases.add("l", [0, 1], consumers=1, ttl_s=30)
+    dst = caches(3)
+    before = dst["layer.0"].clone()
+    result = pull_blocks(spec(server, "l", [0, 1], [None, 4]), KVLayout.from_caches(dst, NUM_BLOCKS), 2, 10)
+    assert result.ok and result.bytes == 2 * layout.block_nbytes
+    assert torch.equal(dst["layer.0"][0], before[0]) and torch.equal(dst["layer.0"][4], kv["layer.0"][1])
+
+
+def test_lease_waits_for_all_consumers_then_frees(source):
+    _, _, leases, server = source
+    leases.add("l", [0], consumers=2, ttl_s=30)
+    assert release_lease(("127.0.0.1", server.port), "l")
+    assert leases.take_done() == set() and len(leases) == 1
+    assert release_lease(("127.0.0.1", server.port), "l")
+    assert leases.take_done() == {"l"}
+
+
+def test_lease_expires():
+    leases = LeaseTable()
+    leases.add("l", [0], consumers=1, ttl_s=5)
+    assert leases.expire(now=time.monotonic() + 1) == []
+    assert leases.expire(now=time.monotonic() + 10) == ["l"]
+    assert leases.take_done() == {"l"} and len(leases) == 0
+
+
+def test_pull_of_unknown_lease_fails_cleanly_and_reports_blocks(source):
+    _, _, _, server = source
+    dst = caches(4)
+    result = pull_blocks(spec(server, "nope", [0, 1], [2, 3]), KVLayout.from_caches(dst, NUM_BLOCKS), 2, 10)
+    assert not result.ok and "no lease" in result.error
+    assert result.failed_block_ids == [2, 3]
+
+
+def test_a_lease_registered_just_after_the_pull_arrives_is_served(source):
+    _, _, leases, server = source
+    threading.Timer(0.1, leases.add, args=("late", [0], 1, 30)).start()
+    result = pull_blocks(spec(server, "late", [0], [1]), KVLayout.from_caches(caches(5), NUM_BLOCKS), 2, 10)
+    assert result.ok
+
+
+def test_layout_mismatch_is_refused(source):
+    _, _, leases, server = source
+    leases.add("l", [0], consumers=1, ttl_s=30)
+    other = {f"layer.{i}": torch.zeros(NUM_BLOCKS, 4, 32, 64) for i in range(LAYERS)}
+    result = pull_blocks(spec(server, "l", [0], [1]), KVLayout.from_caches(other, NUM_BLOCKS), 2, 10)
+    assert not result.ok and "layout differs" in result.error
+
+
+def test_block_index_outside_lease_is_refused(source):
+    _, _, leases, server = source
+    leases.add("l", [0], consumers=1, ttl_s=30)
+    result = pull_blocks(spec(server, "l", [5], [1]), KVLayout.from_caches(caches(6), NUM_BLOCKS), 2, 10)
+    assert not result.ok and "outside" in result.error
+
+
+def test_unreachable_source_fails_without_raising():
+    result = pull_blocks(PullSpec("r", "l", ("127.0.0.1", 1), None, "x", [0], [0]), KVLayout.from_caches(caches(7), NUM_BLOCKS), 1, 2)
+    assert not result.ok and result.failed_block_ids == [0]
+
+
+# ---- through the link relay -------------------------------------------------------
+
+
+class RelayThread:
+    """A LinkRelay on its own event loop thread (the pull side is blocking code)."""
+
+    def __init__(self, config: LinkConfig):
+        self.loop = asyncio.new_event_loop()
+        self.relay = LinkRelay("a->b", LinkModel(config), host="127.0.0.1")
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.port = self.call(self.relay.start())
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def cut(self, seconds):
+        self.loop.call_soon_threadsafe(self.relay.cut, seconds)
+
+    def close(self):
+        self.call(self.relay.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_relay_paces_to_the_link_bandwidth(source):
+    _, layout, leases, server = source
+    leases.add("l", list(range(8)), consumers=1, ttl_s=30)
+    mbps, rtt_ms = 40.0, 50.0
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms))
+    try:
+        t0 = time.monotonic()
+        result = pull_blocks(spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30)
+        elapsed = time.monotonic() - t0
+        assert result.ok
+        floor = rtt_ms / 1000 + 8 * layout.block_nbytes / (mbps * 1e6 / 8)
+        assert elapsed >= floor * 0.97, (elapsed, floor)  # never faster than the link
+        header_bound = 4096
+        assert result.bytes <= relay.relay.counters.bytes_down <= result.bytes + header_bound
+    finally:
+        relay.close()
+
+
+def test_cutting_the_link_mid_transfer_reports_unwritten_blocks(source):
+    _, layout, leases, server = source
+    leases.add("l", list(range(12)), consumers=1, ttl_s=30)
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=8))  # ~1 s per MB
+    try:
+        threading.Timer(0.3, relay.cut, args=(5,)).start()
+        result = pull_blocks(spec(server, "l", list(range(12)), list(range(12)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30)
+        assert not result.ok
+        assert 0 < len(result.failed_block_ids) <= 12
+        assert result.failed_block_ids == list(range(12 - len(result.failed_block_ids), 12))  # the tail
+        assert relay.relay.counters.cut_connections >= 1
+        # while cut, new pulls are refused at once
+        again = pull_blocks(spec(server, "l", [0], [0], relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30)
+        assert not again.ok
+    finally:
+        relay.close()
+
+
+def test_jitter_draws_are_seeded_and_bounded():
+    cfg = LinkConfig(between=("a", "b"), bandwidth_mbps=10, rtt_ms=20, jitter={"distribution": "pareto", "mean_ms": 50, "max_ms": 400}, seed=3)
+    a = [LinkModel(cfg).first_byte_delay_s() for _ in range(1)] + [LinkModel(cfg).jitter_s() for _ in range(3)]
+    b = [LinkModel(cfg).first_byte_delay_s() for _ in range(1)] + [LinkModel(cfg).jitter_s() for _ in range(3)]
+    assert a == b
+    model = LinkModel(cfg)
+    draws = [model.jitter_s() for _ in range(2000)]
+    assert all(0 <= d <= 0.4 for d in draws)
+    assert 0.02 < sum(draws) / len(draws) < 0.08

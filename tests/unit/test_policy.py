@@ -1,0 +1,154 @@
+"""app/policy.py: every branch, and properties over random inputs (hypothesis)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.config import HandoffConfig, HandoffMode, RoutingConfig, SingularFilterConfig
+from app.policy import (
+    AUTO_ONE_SHOT_LOAD,
+    MAX_CATCH_UP_ROUNDS,
+    ClusterFacts,
+    HandoffStep,
+    LinkFacts,
+    Pipeline,
+    RequestFacts,
+    blocks_missing,
+    choose_pipeline,
+    expected_transfer_ms,
+    next_handoff_step,
+    relay_cap,
+    resolve_handoff_mode,
+)
+
+BLOCK = 32
+BYTES_PER_BLOCK = 32 * 4096
+WAN = LinkFacts(bandwidth_bytes_per_s=5e6, rtt_s=0.03)
+
+
+def cluster(load=0.0, rld=True):
+    return ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=load, rld_available=rld)
+
+
+def routing(**kw):
+    return RoutingConfig(**kw)
+
+
+def test_blocks_missing_counts_the_partial_last_block():
+    assert blocks_missing(100, 0, 32) == 4
+    assert blocks_missing(100, 64, 32) == 2
+    assert blocks_missing(96, 96, 32) == 0
+    assert blocks_missing(100, 70, 32) == 2  # a partial cached block does not count
+    assert blocks_missing(50, 500, 32) == 1  # the partial last block is never cached
+    assert blocks_missing(64, 500, 32) == 0
+
+
+def test_expected_transfer_is_rtt_plus_bytes_over_bandwidth():
+    assert expected_transfer_ms(0, BYTES_PER_BLOCK, WAN) == 0
+    assert expected_transfer_ms(10, BYTES_PER_BLOCK, WAN) == pytest.approx((0.03 + 10 * BYTES_PER_BLOCK / 5e6) * 1000)
+
+
+def test_high_hit_goes_p_md():
+    d = choose_pipeline(RequestFacts(4000, 100, 3968), cluster(), routing(max_wan_transfer_ms=300))
+    assert d.pipeline is Pipeline.p_md and d.blocks_to_send == 1
+
+
+def test_low_hit_goes_p_rld_md():
+    d = choose_pipeline(RequestFacts(4000, 100, 0), cluster(), routing(max_wan_transfer_ms=300))
+    assert d.pipeline is Pipeline.p_rld_md and d.expected_wan_ms > 300
+
+
+def test_hit_rate_threshold_alternative():
+    facts = RequestFacts(4000, 100, 3968 - 32 * 5)  # cheap transfer, but hit 95%
+    assert choose_pipeline(facts, cluster(), routing(max_wan_transfer_ms=1000)).pipeline is Pipeline.p_md
+    assert choose_pipeline(facts, cluster(), routing(max_wan_transfer_ms=1000, min_hit_rate=0.99)).pipeline is Pipeline.p_rld_md
+
+
+def test_saturated_relay_sends_p_md():
+    d = choose_pipeline(RequestFacts(4000, 100, 0), cluster(load=0.95), routing(max_relay_load=0.9))
+    assert d.pipeline is Pipeline.p_md and "saturated" in d.reason
+
+
+def test_no_relay_available_sends_p_md():
+    assert choose_pipeline(RequestFacts(4000, 100, 0), cluster(rld=False), routing()).pipeline is Pipeline.p_md
+
+
+def test_singular_filter_finishes_on_rld():
+    r = routing(singular=SingularFilterConfig(min_prompt_tokens=2048, max_hit_rate=0.2, max_output_tokens=8))
+    assert choose_pipeline(RequestFacts(4000, 4, 0), cluster(), r).pipeline is Pipeline.p_rld
+    assert choose_pipeline(RequestFacts(4000, 64, 0), cluster(), r).pipeline is Pipeline.p_rld_md  # long output
+    assert choose_pipeline(RequestFacts(1000, 4, 0), cluster(), r).pipeline is Pipeline.p_rld_md  # short input
+    assert choose_pipeline(RequestFacts(4000, 4, 2000), cluster(), r).pipeline is Pipeline.p_rld_md  # hit 50%
+    off = routing(singular=SingularFilterConfig(enabled=False, min_prompt_tokens=2048, max_output_tokens=8))
+    assert choose_pipeline(RequestFacts(4000, 4, 0), cluster(), off).pipeline is Pipeline.p_rld_md
+
+
+facts_st = st.builds(
+    RequestFacts,
+    prompt_tokens=st.integers(1, 200_000),
+    max_tokens=st.integers(1, 10_000),
+    md_cached_tokens=st.integers(0, 200_000),
+)
+cluster_st = st.builds(
+    ClusterFacts,
+    kv_bytes_per_block=st.integers(1, 10**8),
+    block_size=st.sampled_from([16, 32, 64, 128]),
+    wan=st.builds(LinkFacts, bandwidth_bytes_per_s=st.floats(1e3, 1e11), rtt_s=st.floats(0, 1)),
+    rld_load=st.floats(0, 2),
+    rld_available=st.booleans(),
+)
+routing_st = st.builds(
+    RoutingConfig,
+    max_wan_transfer_ms=st.floats(0, 10_000),
+    min_hit_rate=st.none() | st.floats(0, 1),
+    max_relay_load=st.floats(0.01, 1),
+    singular=st.builds(SingularFilterConfig, enabled=st.booleans(), min_prompt_tokens=st.integers(1, 100_000), max_hit_rate=st.floats(0, 1), max_output_tokens=st.integers(1, 100)),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(facts_st, cluster_st, routing_st)
+def test_p_rld_only_through_the_singular_filter(facts, cl, r):
+    d = choose_pipeline(facts, cl, r)
+    assert d.pipeline in (Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld)
+    if d.pipeline is Pipeline.p_rld:
+        s = r.singular
+        assert s.enabled and facts.prompt_tokens >= s.min_prompt_tokens and facts.max_tokens <= s.max_output_tokens
+        assert d.md_hit_rate <= s.max_hit_rate and cl.rld_available
+    if d.pipeline is not Pipeline.p_md:
+        assert cl.rld_available
+
+
+@settings(max_examples=300, deadline=None)
+@given(facts_st, cluster_st, routing_st)
+def test_more_cache_never_moves_a_request_onto_the_relay(facts, cl, r):
+    """Monotone: if MD holds more of the prompt, P-MD stays P-MD."""
+    if choose_pipeline(facts, cl, r).pipeline is Pipeline.p_md:
+        more = RequestFacts(facts.prompt_tokens, facts.max_tokens, facts.md_cached_tokens + cl.block_size * 4)
+        assert choose_pipeline(more, cl, r).pipeline is Pipeline.p_md
+
+
+def test_auto_mode_depends_on_relay_load():
+    h = HandoffConfig(mode=HandoffMode.auto)
+    assert resolve_handoff_mode(h, 0.0) is HandoffMode.catch_up
+    assert resolve_handoff_mode(h, AUTO_ONE_SHOT_LOAD) is HandoffMode.one_shot
+    assert resolve_handoff_mode(HandoffConfig(mode=HandoffMode.one_shot), 0.0) is HandoffMode.one_shot
+    assert resolve_handoff_mode(HandoffConfig(mode=HandoffMode.catch_up), 0.99) is HandoffMode.catch_up
+
+
+def test_catch_up_steps_until_little_is_left():
+    h = HandoffConfig(catch_up_threshold_tokens=64)
+    assert next_handoff_step(200, 0, HandoffMode.catch_up, h) is HandoffStep.catch_up
+    assert next_handoff_step(64, 1, HandoffMode.catch_up, h) is HandoffStep.final
+    assert next_handoff_step(200, MAX_CATCH_UP_ROUNDS, HandoffMode.catch_up, h) is HandoffStep.final
+    assert next_handoff_step(10_000, 0, HandoffMode.one_shot, h) is HandoffStep.final
+
+
+@given(st.integers(1, 4096), st.integers(1, 4096), st.floats(0, 3))
+def test_relay_cap_shrinks_with_load_within_bounds(cap, floor, load):
+    if floor > cap:
+        floor, cap = cap, floor
+    h = HandoffConfig(relay_cap_tokens=cap, min_relay_cap_tokens=floor)
+    got = relay_cap(h, load)
+    assert floor <= got <= cap
+    assert relay_cap(h, min(load + 0.2, 3)) <= got

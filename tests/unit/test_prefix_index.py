@@ -1,0 +1,50 @@
+from app.prefix_index import PrefixIndex, ReplicaCache, block_keys
+
+
+def test_keys_chain_so_a_block_depends_on_everything_before_it():
+    a = block_keys(list(range(96)), 32)
+    b = block_keys([999] + list(range(1, 96)), 32)
+    assert len(a) == 3 and len(block_keys(list(range(95)), 32)) == 2
+    assert all(x != y for x, y in zip(a, b))  # a change in block 0 changes every key
+    assert block_keys(list(range(64)), 32) == a[:2]
+
+
+def test_conversation_sticks_to_the_replica_holding_it():
+    idx = PrefixIndex(32)
+    turn1 = list(range(300))
+    idx.record("md-1", idx.keys(turn1), 1000)
+    turn2 = turn1 + list(range(1000, 1100))
+    choice = idx.choose({"md-0": 1000, "md-1": 1000}, idx.keys(turn2), load=lambda rid: 0)
+    assert choice.replica_id == "md-1" and choice.cached_tokens == 288
+
+
+def test_overloaded_replica_loses_affinity():
+    idx = PrefixIndex(32, imbalance_limit=4)
+    idx.record("md-1", idx.keys(list(range(320))), 1000)
+    loads = {"md-0": 0, "md-1": 5}
+    choice = idx.choose({"md-0": 1000, "md-1": 1000}, idx.keys(list(range(320))), load=loads.get)
+    assert choice.replica_id == "md-0" and choice.cached_tokens == 0
+
+
+def test_ties_go_to_the_idlest():
+    idx = PrefixIndex(32)
+    choice = idx.choose({"a": 10, "b": 10}, idx.keys(list(range(64))), load={"a": 3, "b": 1}.get)
+    assert choice.replica_id == "b"
+
+
+def test_engine_report_corrects_evictions():
+    idx = PrefixIndex(32)
+    keys = idx.keys(list(range(320)))
+    idx.record("md", keys, 1000)
+    assert idx.estimate("md", keys) == 320
+    idx.observe("md", keys, actual_cached_tokens=64)
+    assert idx.estimate("md", keys) == 64
+
+
+def test_capacity_is_lru_bounded():
+    cache = ReplicaCache(capacity_blocks=3)
+    cache.add([1, 2, 3])
+    cache.add([1])  # touch 1
+    cache.add([4])
+    assert len(cache) == 3
+    assert cache.matched_blocks([1]) == 1 and cache.matched_blocks([2]) == 0
