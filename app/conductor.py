@@ -219,9 +219,9 @@ class Conductor:
         self.remember(replica, req.prompt_token_ids, last.num_cached_tokens or 0, keys)
         return last, replica
 
-    async def pull_params(self, lease: dict[str, Any], dst_dc: str, *, full: bool = False) -> dict[str, Any]:
+    async def pull_params(self, lease: dict[str, Any], dst_dc: str) -> dict[str, Any]:
         name, relay = await self.links.relay(lease["datacenter"], dst_dc)
-        return {PULL: {**lease, "relay": relay, "link": name, "full": full}}
+        return {PULL: {**lease, "relay": relay, "link": name}}
 
     def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any]) -> None:
         journey.hit_tokens[role.value] = int(report.get("local_hit_tokens", 0))
@@ -261,8 +261,8 @@ class Conductor:
     async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
         """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
 
-        pd_cross_dc_naive ships the whole prompt KV across the WAN (a decoder
-        prefix cache does not shrink it) and shows the first token only once the decoder
+        pd_cross_dc_naive ships the whole prompt KV across the WAN (no
+        decoder-side prefix cache shrinks it) and shows the first token only once the decoder
         produced its own, as vLLM's disaggregated-prefill proxy does.
         """
         journey.pipeline = (Pipeline.p_d if first_token_from_prefill else Pipeline.p_d_naive).value
@@ -276,7 +276,8 @@ class Conductor:
         if first_token_from_prefill:
             yield Tokens(first.token_ids, RoleName.prefill)
         replica, _ = await self.route(decode_role, keys, journey)
-        async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, full=not first_token_from_prefill, hold_first=not first_token_from_prefill):
+        naive = not first_token_from_prefill
+        async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, cache_salt=req.request_id if naive else None, hold_first=naive):
             yield batch
 
     async def continue_on(
@@ -289,25 +290,28 @@ class Conductor:
         lease: dict[str, Any] | None,
         keys: list[int],
         *,
-        full: bool = False,
+        cache_salt: str | None = None,
         hold_first: bool = False,
     ) -> AsyncIterator[Tokens]:
         """A decoder pulls the prompt KV from the lease and decodes after the first token.
 
-        `hold_first`: the first token (already computed by P) reaches the client
-        only with the decoder's first one.
+        `cache_salt`: a unique one keeps the decoder's prefix cache out of it, so
+        the whole prompt KV crosses the link (naive PD). `hold_first`: the first
+        token (already computed by P) reaches the client only with the decoder's
+        first one.
         """
         request = EngineRequest(
             f"{req.request_id}-{role.value}",
             req.prompt_token_ids + first.token_ids,
             replace(req.sampling, max_tokens=req.sampling.max_tokens - len(first.token_ids)),
-            kv_transfer_params=await self.pull_params(lease, replica.datacenter, full=full) if lease else None,
+            kv_transfer_params=await self.pull_params(lease, replica.datacenter) if lease else None,
+            cache_salt=cache_salt,
         )
         held = list(first.token_ids) if hold_first else []
         output = list(first.token_ids)
         async for delta in self.decode_stream(role, replica, request, journey):
             output += delta.token_ids
-            if delta.finished:
+            if delta.finished and cache_salt is None:  # salted blocks serve no later request
                 self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
             tokens = held + delta.token_ids
             held = []

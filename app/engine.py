@@ -83,12 +83,14 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
     )
 
 
-class TransferReports:
-    """Pull reports from this engine's connector, by request id, until generate() takes them."""
+class ConnectorState:
+    """What this engine's connector last reported: live leases, and pull reports by
+    request id until generate() takes them."""
 
     def __init__(self, capacity: int = 10_000):
         self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._capacity = capacity
+        self.leases_live = 0
 
     def put(self, report: dict[str, Any]) -> None:
         # the engine core knows vLLM's internal id: ours plus "-" and 8 random characters
@@ -100,8 +102,8 @@ class TransferReports:
         return self._items.pop(request_id, None)
 
 
-def _connector_stats_logger(replica_id: str, reports: TransferReports):
-    """A vLLM stat logger: the connector's lease gauge as a Ray metric, pull reports to `reports`."""
+def _connector_stats_logger(replica_id: str, state: ConnectorState):
+    """A vLLM stat logger: the connector's lease gauge as a Ray metric, its reports to `state`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     from app import metrics
@@ -113,8 +115,10 @@ def _connector_stats_logger(replica_id: str, reports: TransferReports):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
             for report in data.get("transfers", ()):
-                reports.put(report)
+                state.put(report)
             live = data.get("leases_live")
+            if live is not None:
+                state.leases_live = int(live)
             if live is not None and live != self._last:
                 metrics.registry().set(metrics.LEASES_LIVE, float(live), replica=replica_id)
                 self._last = live
@@ -180,8 +184,8 @@ class EngineServer:
         self._node_id = _ray_node_id()
         self.block_port = free_port()
         kv = kv_transfer_config(config, role, self._node_ip, self.block_port, os.getpid())
-        self._reports = TransferReports()
-        self.engine = AsyncLLM.from_engine_args(engine_args(config, role, kv), stat_loggers=[_connector_stats_logger(replica_id, self._reports)])
+        self._connector = ConnectorState()
+        self.engine = AsyncLLM.from_engine_args(engine_args(config, role, kv), stat_loggers=[_connector_stats_logger(replica_id, self._connector)])
         vllm_config = self.engine.vllm_config
         self.num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -208,10 +212,12 @@ class EngineServer:
             extra_args=extra_args,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         pulling = request.kv_transfer_params is not None and PULL in request.kv_transfer_params
         async for out in self.engine.generate(prompt, params, request.request_id):
             completion = out.outputs[0]
-            transfer = self._reports.take(request.request_id) if pulling else None
+            transfer = self._connector.take(request.request_id) if pulling else None
             pulling = pulling and transfer is None
             yield EngineDelta(
                 request_id=request.request_id,
@@ -245,6 +251,10 @@ class EngineServer:
             token_port=token_port,
             kv_bytes_per_block=self.kv_bytes_per_block,
         )
+
+    async def kv_state(self, target_replica: str | None = None) -> dict[str, Any]:
+        """The connector's view: leases this engine holds for decoders to pull."""
+        return {"replica_id": self.replica_id, "leases_live": self._connector.leases_live}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

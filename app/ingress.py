@@ -370,6 +370,13 @@ class ConductorIngress:
             usage=self._usage(len(gen.prompt_token_ids), last.completion_tokens),
         )
 
+    @api.get("/pdd/requests", responses=ERROR_RESPONSES)
+    async def recent_journeys(self, request: Request, limit: int = 100) -> dict[str, Any]:
+        self.keys.check(request)
+        if not 1 <= limit <= self.conductor.journal.capacity:
+            raise APIError(400, f"limit: between 1 and {self.conductor.journal.capacity}", param="limit")
+        return {"requests": [j.to_dict() for j in self.conductor.journal.recent(limit)]}
+
     @api.get("/pdd/requests/{request_id}", responses=ERROR_RESPONSES)
     async def journey(self, request_id: str, request: Request) -> dict[str, Any]:
         self.keys.check(request)

@@ -45,6 +45,8 @@ class EngineRequest(msgspec.Struct, tag="gen"):
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    """A unique salt makes the engine's prefix cache miss: naive PD has no decode-side reuse."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -9,8 +9,7 @@ chosen by the conductor through `kv_transfer_params`:
   lease timeout) and the output carries `{"pdd_lease": {...}}`: where to pull.
 - consumer (`{"pdd_pull": <pdd_lease> + relay/link}`, on decoders): vLLM's own
   prefix cache answers first; the connector pulls only the blocks past that hit,
-  through the link relay, asynchronously (`"full": true` pulls every block, as a
-  decoder-cache-less naive deployment would). A failed pull marks the unwritten
+  through the link relay, asynchronously. A failed pull marks the unwritten
   blocks invalid and vLLM recomputes them (`kv_load_failure_policy="recompute"`);
   the request still succeeds. The output carries `{"pdd_transfer": {...}}`.
 """
@@ -186,20 +185,18 @@ class PDDConnector(KVConnectorBase_V1):
             return
         self._pull_planned.add(rid)
         indices: list[int] = []
-        local: list[int | None] = []
+        local: list[int] = []
         if num_external_tokens > 0:
             hit = self._local_hit.get(rid, 0)
             first = hit // self._block_size
             last = math.ceil((hit + num_external_tokens) / self._block_size)
             block_ids = _first_group(blocks.get_block_ids())
-            # naive cross-DC PD ships the whole prompt KV, including blocks held here
-            start = 0 if pull.get("full") else first
-            indices = list(range(start, last))
-            local = [None] * (first - start) + list(block_ids[first:last])
+            indices = list(range(first, last))
+            local = list(block_ids[first:last])
         # an empty pull still tells the producer this consumer is done with the lease
         self._new_pulls.append(self._pull_spec(rid, pull, indices, local))
 
-    def _pull_spec(self, rid: str, pull: dict[str, Any], indices: list[int], local: list[int | None]) -> PullSpec:
+    def _pull_spec(self, rid: str, pull: dict[str, Any], indices: list[int], local: list[int]) -> PullSpec:
         relay = pull.get("relay")
         return PullSpec(
             request_id=rid,

@@ -249,9 +249,8 @@ class PullSpec:
     """The link relay to go through (None: connect directly)."""
     link: str
     remote_indices: list[int]
-    local_block_ids: list[int | None]
-    """Where each pulled block goes; None: received but not written (the
-    decoder already holds it; naive full transfers send it anyway)."""
+    local_block_ids: list[int]
+    """Where each pulled block goes in this engine's cache."""
 
 
 @dataclass
@@ -296,13 +295,12 @@ def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, tran
                 _recv_exact(sock, header.block_nbytes, buf)
                 result.bytes += header.block_nbytes
                 result.blocks += 1
-                if local is not None:
-                    layout.write_block(local, buf)
-                    written.add(local)
+                layout.write_block(local, buf)
+                written.add(local)
     except (OSError, ConnectionError, ValueError, TimeoutError, msgspec.DecodeError) as exc:
         result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"
-        result.failed_block_ids = [b for b in spec.local_block_ids if b is not None and b not in written]
+        result.failed_block_ids = [b for b in spec.local_block_ids if b not in written]
     result.seconds = time.monotonic() - t0
     return result
 

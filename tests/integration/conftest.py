@@ -1,26 +1,43 @@
 """Real Ray + Serve + vLLM engines, started once per session / module.
 
-Each module deploys one app (its own set of real engines) with `deploy_app`
-and deletes it when done, so modules never compete for the 2 CPU cores.
+Apps are deployed the way production deploys them: a Serve config (the app's
+args are a PDDConfig) PUT to the dashboard's REST API, as `serve deploy` and the
+agents do. Each module deploys one app (its own real engines) and removes it
+when done, so modules never compete for the 2 CPU cores.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
+import time
 from typing import Any
 
+import httpx
 import pytest
 
 from app.cluster import CLUSTER_ENV, kill_orphans
 
 pytestmark = pytest.mark.integration
 
+DEPLOY_TIMEOUT_S = 600
 
-def _free_port() -> int:
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, http_port: int, dashboard_url: str):
+        self.http_port = http_port
+        self.dashboard_url = dashboard_url
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
 
 @pytest.fixture(scope="session")
@@ -30,38 +47,133 @@ def serve_instance():
 
     os.environ.update({k: v for k, v in CLUSTER_ENV.items() if k != "RAY_AUTH_MODE"})
     # HAProxy's own listeners default to fixed ports; a dev cluster may hold them.
-    os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
-    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-    ray.init(address="local", num_cpus=8, resources={"dc_a": 100, "dc_b": 100}, include_dashboard=True, logging_level="WARNING", log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
+    os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
+    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
+    dashboard_port = free_port()
+    ray.init(
+        address="local",
+        num_cpus=8,
+        resources={"dc_a": 100, "dc_b": 100},
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    http_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    yield Cluster(http_port, f"http://127.0.0.1:{dashboard_port}")
     serve.shutdown()
     ray.shutdown()
     kill_orphans()
 
 
 class DeployedApp:
-    def __init__(self, name: str, base_url: str, args: dict[str, Any]):
+    def __init__(self, cluster: Cluster, name: str, args: dict[str, Any]):
+        self.cluster = cluster
         self.name = name
-        self.base_url = base_url
         self.args = args
+        self.deployments: list[dict[str, Any]] = []
+
+    @property
+    def base_url(self) -> str:
+        return self.cluster.base_url
 
     @property
     def v1(self) -> str:
         return f"{self.base_url}/v1"
 
+    def serve_config(self) -> dict[str, Any]:
+        app = {
+            "name": self.name,
+            "route_prefix": "/",
+            "import_path": "app.builder:build_app",
+            "external_scaler_enabled": True,
+            "args": self.args,
+        }
+        if self.deployments:
+            app["deployments"] = self.deployments
+        return {"http_options": {"host": "127.0.0.1", "port": self.cluster.http_port}, "applications": [app]}
 
-def deploy_app(base_url: str, name: str, args: dict[str, Any]) -> DeployedApp:
-    from ray import serve
+    def put(self) -> None:
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
-    from app.builder import build_app
+        ServeSubmissionClient(self.cluster.dashboard_url).deploy_applications(self.serve_config())
 
-    serve.run(build_app(args), name=name, route_prefix="/")
-    return DeployedApp(name, base_url, args)
+    def wait_running(self, timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
+        from ray import serve
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            app = serve.status().applications.get(self.name)
+            if app is not None:
+                if app.status == "RUNNING" and all(d.status == "HEALTHY" for d in app.deployments.values()):
+                    return
+                if app.status == "DEPLOY_FAILED":
+                    raise RuntimeError(f"deploy of {self.name} failed: {app.message}")
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not running within {timeout_s:.0f} s: {serve.status().applications.get(self.name)}")
+
+    def set_user_config(self, deployment: str, user_config: dict[str, Any]) -> None:
+        """Change one deployment's user_config by redeploying the config (a live update)."""
+        self.deployments = [d for d in self.deployments if d["name"] != deployment]
+        self.deployments.append({"name": deployment, "user_config": user_config})
+        self.put()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            self.wait_running()
+            if self.current_user_config(deployment) == user_config:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{deployment} did not take the new user_config")
+
+    def current_user_config(self, deployment: str) -> Any:
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+        details = ServeSubmissionClient(self.cluster.dashboard_url).get_serve_details()
+        dep = details["applications"][self.name]["deployments"][deployment]
+        return dep["deployment_config"].get("user_config")
+
+    def handle(self, deployment: str):
+        from ray import serve
+
+        return serve.get_deployment_handle(deployment, app_name=self.name)
+
+    def journey(self, request_id: str) -> dict[str, Any]:
+        resp = httpx.get(f"{self.base_url}/pdd/requests/{request_id}", timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def delete(self) -> None:
+        from ray import serve
+
+        serve.delete(self.name)
 
 
-def delete_app(app: DeployedApp) -> None:
-    from ray import serve
+def deploy_app(cluster: Cluster, name: str, args: dict[str, Any]) -> DeployedApp:
+    app = DeployedApp(cluster, name, copy.deepcopy(args))
+    app.put()
+    app.wait_running()
+    return app
 
-    serve.delete(app.name)
+
+def completion(app: DeployedApp, prompt, max_tokens: int, mode: str | None = None, **extra) -> tuple[str, dict[str, Any]]:
+    """Greedy completion over HTTP; returns (text, journey)."""
+    body = {"model": app.args["model"]["served_name"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    if mode:
+        body["pdd_mode"] = mode
+    resp = httpx.post(f"{app.v1}/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    return out["choices"][0]["text"], app.journey(out["id"])
+
+
+def kill_replica(app: DeployedApp, deployment: str) -> str:
+    """Kill one replica actor of a deployment the hard way (as a crash would)."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:{app.name}:{deployment}"), ("state", "=", "ALIVE")])
+    assert actors, f"no live {deployment} replica"
+    ray.kill(ray.get_actor(actors[0].name, namespace="serve"), no_restart=True)
+    return actors[0].name

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.conftest import local_args
-from tests.integration.conftest import delete_app, deploy_app
+from tests.integration.conftest import deploy_app
 
 KEY = "sk-test-key"
 MODEL = "pdd-dev"
@@ -17,11 +17,12 @@ MODEL = "pdd-dev"
 def app(serve_instance):
     args = local_args()
     args["mode"] = "colocated"
+    del args["roles"]["prefill"], args["roles"]["relay_decode"]
     args["server"] = {"api_keys": [KEY], "max_output_tokens": 512, "max_concurrent_per_key": 64}
     args["model"]["max_model_len"] = 2048
     deployed = deploy_app(serve_instance, "api", args)
     yield deployed
-    delete_app(deployed)
+    deployed.delete()
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,7 @@ def test_stop_string_truncates(client):
 def test_journey_of_a_request(app, client):
     r = chat(client, max_tokens=5)
     j = httpx.get(f"{app.base_url}/pdd/requests/{r.id}", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert httpx.get(f"{app.base_url}/pdd/requests/{r.id}").status_code == 401
     assert j["pipeline"] == "colocated" and j["completion_tokens"] == 5
     assert j["replicas"]["main_decode"] and j["ttft_ms"] > 0
     missing = httpx.get(f"{app.base_url}/pdd/requests/nope", headers={"authorization": f"Bearer {KEY}"})

@@ -1,0 +1,126 @@
+"""One replica's prefix cache: blocks of KV kept after requests end, LRU eviction.
+
+A conversation's blocks on one replica always form a prefix of its token
+stream (each turn extends the previous one), so the cache stores one entry per
+conversation: how many tokens of its stream the replica holds (whole blocks)
+and the conversation generation the entry was written at. Least recently used
+entries lose their tail blocks first, as vLLM frees a finished request's blocks
+tail first; a partly evicted entry is still a valid, shorter prefix.
+
+A request that reuses an entry pins it while it runs (like vLLM's block
+reference counts: concurrent turns of one conversation share the blocks);
+pinned entries are never evicted. The blocks a request writes are the
+caller's reservation until the request ends and they become the entry, so the
+cache's limit is the memory running requests leave free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+
+def usable_tokens(entry_tokens: int, entry_gen: int, prefix_tokens: int, divergences: Sequence[int]) -> int:
+    """Tokens of an entry a new prompt can reuse.
+
+    `divergences` lists, per conversation generation, how many tokens of the
+    stream survived a turn that rewrote the context; blocks past any
+    divergence after the entry was written are stale.
+    """
+    valid = entry_tokens
+    for d in divergences[entry_gen:]:
+        if d < valid:
+            valid = d
+    return valid if valid < prefix_tokens else prefix_tokens
+
+
+class PrefixCache:
+    __slots__ = ("limit", "used", "held", "block", "entries", "pinned", "evicted_tokens")
+
+    def __init__(self, limit_tokens: int, block_size: int):
+        self.limit = limit_tokens
+        self.used = 0
+        """Tokens of all entries, pinned or not."""
+        self.held = 0
+        """Tokens of pinned entries (not evictable)."""
+        self.block = block_size
+        self.entries: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
+        """Evictable entries, key -> (tokens, generation), least recently used first."""
+        self.pinned: dict[Hashable, list[int]] = {}
+        """key -> [tokens, generation, pins]."""
+        self.evicted_tokens = 0
+
+    def peek(self, key: Hashable) -> tuple[int, int] | None:
+        e = self.entries.get(key)
+        if e is not None:
+            return e
+        p = self.pinned.get(key)
+        return None if p is None else (p[0], p[1])
+
+    def pin(self, key: Hashable) -> tuple[int, int] | None:
+        """Hold an entry for a running request; None when the cache has none."""
+        p = self.pinned.get(key)
+        if p is not None:
+            p[2] += 1
+            return p[0], p[1]
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.pinned[key] = [e[0], e[1], 1]
+            self.held += e[0]
+        return e
+
+    def release(self, key: Hashable, tokens: int, gen: int, pinned: bool) -> None:
+        """A request ends: its `tokens` become the entry, most recently used."""
+        tokens -= tokens % self.block
+        p = self.pinned.get(key) if pinned else None
+        if p is None:
+            self.put(key, tokens, gen)
+            return
+        self.used += tokens - p[0]
+        self.held += tokens - p[0]
+        p[0], p[1] = tokens, gen
+        p[2] -= 1
+        if p[2] == 0:
+            del self.pinned[key]
+            self.held -= tokens
+            if tokens > 0:
+                self.entries[key] = (tokens, gen)
+        self._evict()
+
+    def put(self, key: Hashable, tokens: int, gen: int) -> None:
+        """Store (or replace) a conversation's prefix as most recently used."""
+        tokens -= tokens % self.block
+        p = self.pinned.get(key)
+        if p is not None:  # another request still runs on it: update in place
+            self.used += tokens - p[0]
+            self.held += tokens - p[0]
+            p[0], p[1] = tokens, gen
+        else:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.used -= old[0]
+            if tokens > 0:
+                self.entries[key] = (tokens, gen)
+                self.used += tokens
+        self._evict()
+
+    def set_limit(self, limit_tokens: int) -> None:
+        self.limit = limit_tokens
+        if self.used > limit_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        over = self.used - self.limit
+        entries = self.entries
+        block = self.block
+        while over > 0 and entries:
+            key, (tokens, gen) = next(iter(entries.items()))
+            drop = -(-over // block) * block
+            if drop >= tokens:
+                del entries[key]
+                drop = tokens
+            else:
+                entries[key] = (tokens - drop, gen)  # keeps its LRU position
+            self.used -= drop
+            self.evicted_tokens += drop
+            over -= drop

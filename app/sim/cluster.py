@@ -1,0 +1,122 @@
+"""The simulated cluster a config describes: replicas per role, links, cost.
+
+Perf model per node group: a fitted model when one is given (for every group,
+or by node-group name), else the roofline from the group's `spec` and
+`model.spec`. KV capacity per replica: with a spec, the replica's memory
+(`memory_gib` x accelerators x `gpu_memory_utilization`) less the weights;
+without one, the role's `engine.kv_cache_gib` (the CPU engines' setting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import MODE_ROLES, Mode, ModelSpec, PDDConfig, RoleConfig, RoleName, link_key
+from app.sim.engine import Instance
+from app.sim.events import Loop
+from app.sim.network import Link
+from app.sim.perf import PerfModel, Roofline
+
+GIB = 1 << 30
+#: vLLM's chunked-prefill token budget for online serving when the engine sets none.
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+
+PerfArg = PerfModel | Mapping[str, PerfModel] | None
+
+
+class SimConfigError(ValueError):
+    """The config lacks a figure the twin needs; the message names the field."""
+
+
+def derive(config: PDDConfig, **update: Any) -> PDDConfig:
+    """`config` with top-level fields replaced (e.g. `mode`, `roles`), checked again as a whole.
+
+    Unchanged sections pass as the validated objects they are.
+    """
+    data = {name: getattr(config, name) for name in PDDConfig.model_fields}
+    data.update(update)
+    return PDDConfig.model_validate(data)
+
+
+def model_spec(config: PDDConfig) -> ModelSpec:
+    if config.model.spec is None:
+        raise SimConfigError("model.spec: the twin needs the model's size figures (active_params_b, kv_bytes_per_token)")
+    return config.model.spec
+
+
+def gpus_per_replica(config: PDDConfig, role: RoleName) -> int:
+    rc = config.roles.get(role)
+    group = config.node_groups[rc.node_group]
+    return max(1, round(group.num_gpus)) if group.num_gpus > 0 else rc.engine.tensor_parallel_size
+
+
+def role_perf(config: PDDConfig, role: RoleName, perf: PerfArg) -> PerfModel:
+    rc = config.roles.get(role)
+    if perf is not None and not isinstance(perf, Mapping):
+        return perf
+    if isinstance(perf, Mapping) and rc.node_group in perf:
+        return perf[rc.node_group]
+    spec = config.node_groups[rc.node_group].spec
+    if spec is None:
+        raise SimConfigError(f"node_groups.{rc.node_group}.spec: needed for the roofline (or pass a fitted perf model)")
+    return Roofline(spec, model_spec(config), gpus_per_replica(config, role))
+
+
+def kv_capacity_tokens(config: PDDConfig, role: RoleName, fitted: bool) -> int:
+    rc: RoleConfig = config.roles.get(role)
+    spec = config.node_groups[rc.node_group].spec
+    ms = model_spec(config)
+    if spec is None or fitted:
+        return int(rc.engine.kv_cache_gib * GIB / ms.kv_bytes_per_token)
+    weights = (ms.total_params_b or ms.active_params_b) * 1e9 * ms.weight_bytes_per_param
+    free = spec.memory_gib * GIB * gpus_per_replica(config, role) * rc.engine.gpu_memory_utilization - weights
+    if free <= 0:
+        raise SimConfigError(
+            f"roles.{role.value}: the weights ({weights / GIB:.0f} GiB) do not fit in a replica of "
+            f"{gpus_per_replica(config, role)} x {spec.memory_gib} GiB at gpu_memory_utilization "
+            f"{rc.engine.gpu_memory_utilization}"
+        )
+    return int(free / ms.kv_bytes_per_token)
+
+
+def cost_per_hour(config: PDDConfig, mode: Mode | None = None) -> float:
+    """Hardware cost of the roles the mode uses: cost_per_hour x replicas."""
+    total = 0.0
+    for role in MODE_ROLES[mode or config.mode]:
+        rc = config.roles.get(role)
+        total += config.node_groups[rc.node_group].cost_per_hour * rc.replicas
+    return total
+
+
+@dataclass
+class SimCluster:
+    pools: dict[RoleName, list[Instance]]
+    links: dict[tuple[str, str], Link]
+    datacenter: dict[RoleName, str]
+
+    def link(self, a: str, b: str) -> Link:
+        return self.links[link_key(a, b)]
+
+    @property
+    def wan_bytes(self) -> int:
+        return sum(lk.bytes for lk in self.links.values() if lk.wan)
+
+
+def build_cluster(config: PDDConfig, loop: Loop, mode: Mode, perf: PerfArg = None, seed: int = 0) -> SimCluster:
+    pools: dict[RoleName, list[Instance]] = {}
+    for role in MODE_ROLES[mode]:
+        rc = config.roles.get(role)
+        if rc is None or rc.replicas < 1:
+            raise SimConfigError(f"roles.{role.value}: mode '{mode.value}' needs at least one replica")
+        model = role_perf(config, role, perf)
+        capacity = kv_capacity_tokens(config, role, fitted=not isinstance(model, Roofline))
+        pools[role] = [
+            Instance(loop, f"{role.value}-{i}", model, max_seqs=rc.engine.max_num_seqs,
+                     max_batched=rc.engine.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
+                     capacity=capacity, block_size=config.model.block_size)
+            for i in range(rc.replicas)
+        ]
+    links = {lc.key: Link(loop, lc, seed) for lc in config.links}
+    return SimCluster(pools, links, {role: config.datacenter_of(role) for role in pools})

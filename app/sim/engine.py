@@ -1,0 +1,383 @@
+"""One simulated engine replica: continuous batching with chunked prefill.
+
+Like vLLM's scheduler, each step runs one token for every running sequence
+(decode batch up to `max_num_seqs`) and fills the rest of the step's token
+budget (`max_num_batched_tokens`) with prefill chunks, first come first served.
+New work joins at the next step boundary.
+
+While no prefill is queued the replica runs a decode-only stretch ("epoch")
+without one event per step: step times follow `DecodeRamp`, and the epoch ends
+at the next sequence completion, or earlier, at the first step boundary after
+new work arrives (a cut). Per-request worst gaps come from a log of each
+step's (or epoch's longest step's) duration.
+
+Memory: `capacity` KV tokens. A request's `Lease` holds its blocks (the cached
+prefix it reuses, then everything it will write, reserved on admission); the
+prefix cache keeps the rest of memory and is evicted as reservations grow.
+When nothing runs, the head of the queue is admitted even if it alone
+exceeds memory, so a huge request delays others instead of wedging the replica.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from itertools import count
+from typing import Any
+
+from app.sim.cache import PrefixCache, usable_tokens
+from app.sim.events import Loop
+from app.sim.perf import DecodeRamp, PerfModel
+
+IDLE, STEP, EPOCH, ENDING = 0, 1, 2, 3
+WAITING, RUNNING, DONE = 0, 1, 2
+_LOG_TRIM = 1 << 16
+
+
+class Lease:
+    """A request's hold on one replica: the cached prefix it reuses (pinned) and
+    the memory reserved for the tokens it writes."""
+
+    __slots__ = ("key", "hit", "held", "pinned")
+
+    def __init__(self, key: Hashable, hit: int, pinned: bool):
+        self.key = key
+        self.hit = hit
+        self.held = 0
+        self.pinned = pinned
+
+
+class PrefillJob:
+    """Tokens to compute for one request (a prompt, or an extend step's tokens).
+
+    `cb(job)` runs when the last chunk's step ends: that step samples a token.
+    """
+
+    __slots__ = ("owner", "left", "ctx", "need", "lease", "cb", "admitted")
+
+    def __init__(self, owner: Any, tokens: int, ctx: int, need: int, lease: Lease, cb: Callable[["PrefillJob"], None]):
+        self.owner = owner
+        self.left = tokens
+        self.ctx = ctx
+        self.need = need
+        self.lease = lease
+        self.cb = cb
+        self.admitted = False
+
+
+class Seq:
+    """One request decoding `n` tokens here from a context of `ctx` tokens.
+
+    `cb(seq, worst_step_s)` runs at its last token (time `loop.now`); `t_first`
+    is when it produced its first token here.
+    """
+
+    __slots__ = ("owner", "ctx", "n", "need", "lease", "cb", "state", "join", "fin", "t_first", "log0", "inst")
+
+    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[["Seq", float], None]):
+        self.owner = owner
+        self.ctx = ctx
+        self.n = n
+        self.need = need
+        self.lease = lease
+        self.cb = cb
+        self.state = WAITING
+        self.join = 0
+        self.fin = 0
+        self.t_first = 0.0
+        self.log0 = 0
+        self.inst: Instance | None = None
+
+
+class Instance:
+    def __init__(self, loop: Loop, name: str, perf: PerfModel, *, max_seqs: int, max_batched: int, capacity: int, block_size: int):
+        self.loop = loop
+        self.name = name
+        self.perf = perf
+        self.max_seqs = max_seqs
+        self.max_batched = max_batched
+        self.capacity = capacity
+        self.block = block_size
+        self.cache = PrefixCache(capacity, block_size)
+        self.reserved = 0
+        self.active = 0
+        """Open leases: the load figure routing compares."""
+        self.relays = 0
+        """Relays in progress (relay decoders only)."""
+        self.state = IDLE
+        self.prefill_q: deque[PrefillJob] = deque()
+        self.admitted_prefills = 0
+        self.join_q: deque[Seq] = deque()
+        self.n = 0
+        self.kv = 0.0
+        """Context tokens of the running sequences."""
+        self.steps = 0
+        self.fin_heap: list[tuple[int, int, Seq]] = []
+        self._order = count()
+        self.removals: list[Seq] = []
+        self.log: list[float] = []
+        self.log_base = 0
+        self.version = 0
+        self.t0 = 0.0
+        self.s0 = 0
+        self.m = 0
+        self.ramp: DecodeRamp | None = None
+        self.step_dt = 0.0
+        self.chunks: list[tuple[PrefillJob, int]] = []
+        self.cut = False
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+
+    # ---- leases and the prefix cache ----------------------------------------------
+
+    def cached_for(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int]) -> int:
+        """Tokens of a new prompt this replica holds, without touching the cache."""
+        entry = self.cache.peek(key)
+        return 0 if entry is None else usable_tokens(entry[0], entry[1], prefix_tokens, divergences)
+
+    def open(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int]) -> Lease:
+        """Claim the conversation's cached prefix for a request (its blocks stop being evictable)."""
+        entry = self.cache.pin(key)
+        hit = 0 if entry is None else usable_tokens(entry[0], entry[1], prefix_tokens, divergences)
+        self.active += 1
+        return Lease(key, hit - hit % self.block, entry is not None)
+
+    def close(self, lease: Lease, keep_tokens: int, gen: int) -> None:
+        """The request is done here: its blocks become the conversation's cached prefix."""
+        self.reserved -= lease.held
+        lease.held = 0
+        self.active -= 1
+        self.cache.set_limit(self.capacity - self.reserved)
+        self.cache.release(lease.key, keep_tokens, gen, lease.pinned)
+        lease.pinned = False
+        if self.state == IDLE and (self.prefill_q or self.join_q):
+            self._plan(self.loop.now)
+
+    def _reserve(self, lease: Lease, need: int) -> bool:
+        """Reserve memory for the tokens a request will write beyond its cached prefix."""
+        extra = need - lease.hit - lease.held
+        if extra > 0:
+            if self.cache.held + self.reserved + extra > self.capacity and (self.n or self.admitted_prefills):
+                return False
+            self.reserved += extra
+            lease.held += extra
+            self.cache.set_limit(self.capacity - self.reserved)
+        return True
+
+    # ---- work in ------------------------------------------------------------------
+
+    def submit_prefill(self, job: PrefillJob) -> None:
+        self.prefill_q.append(job)
+        self._poke()
+
+    def submit_decode(self, seq: Seq) -> None:
+        if seq.n < 1:
+            raise ValueError("a decode sequence must produce at least one token")
+        seq.inst = self
+        self.join_q.append(seq)
+        self._poke()
+
+    def tokens_by(self, seq: Seq, t: float) -> tuple[int, float]:
+        """(tokens `seq` produced here by time t, time of the last of them; -1 if none)."""
+        if seq.state == WAITING:
+            return 0, -1.0
+        if seq.state == DONE:
+            return seq.n, -1.0
+        state = self.state
+        if state == EPOCH:
+            k = self.ramp.steps_within(t - self.t0)
+            idx = self.s0 + (k if k < self.m else self.m)
+        else:
+            idx = self.steps
+        if idx > seq.fin:
+            idx = seq.fin
+        produced = idx - seq.join
+        if produced <= 0:
+            return 0, -1.0
+        if state == EPOCH:
+            return produced, self.t0 + self.ramp.cum(idx - self.s0)
+        # a step in flight started at the last boundary; between steps, the boundary is now
+        return produced, self.t0 if state == STEP else self.loop.now
+
+    def abort(self, seq: Seq, t: float) -> tuple[int, float, float]:
+        """Stop `seq` at time t (its in-flight token is dropped).
+
+        Returns (tokens produced, time of the last one or -1, worst step so far).
+        """
+        if seq.state != RUNNING:
+            produced = 0 if seq.state == WAITING else seq.n
+            seq.state = DONE
+            return produced, -1.0, 0.0
+        produced, t_last = self.tokens_by(seq, t)
+        worst = self._worst_since(seq.log0)
+        seq.n = produced
+        self.removals.append(seq)
+        self._poke()
+        return produced, t_last, worst
+
+    # ---- stepping -------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        state = self.state
+        if state == IDLE:
+            self._plan(self.loop.now)
+        elif state == EPOCH and not self.cut:
+            self._cut(self.loop.now)
+
+    def _cut(self, now: float) -> None:
+        """New work waits for the next step boundary: end the epoch there."""
+        self.cut = True
+        k = self.ramp.steps_within(now - self.t0) + 1
+        if k < self.m:
+            self.m = k
+            self.version += 1
+            self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
+
+    def _admit_joins(self) -> list[Seq]:
+        joined = []
+        q = self.join_q
+        while q:
+            seq = q[0]
+            if seq.state == DONE:
+                q.popleft()
+                continue
+            if self.n >= self.max_seqs or not self._reserve(seq.lease, seq.need):
+                break
+            q.popleft()
+            seq.state = RUNNING
+            seq.join = self.steps
+            seq.fin = self.steps + seq.n
+            seq.log0 = self.log_base + len(self.log)
+            self.n += 1
+            self.kv += seq.ctx
+            heapq.heappush(self.fin_heap, (seq.fin, next(self._order), seq))
+            joined.append(seq)
+        return joined
+
+    def _plan(self, now: float) -> None:
+        joined = self._admit_joins()
+        budget = self.max_batched - self.n
+        chunks = []
+        if budget > 0:
+            for job in self.prefill_q:
+                if not job.admitted:
+                    if not self._reserve(job.lease, job.need):
+                        break
+                    job.admitted = True
+                    self.admitted_prefills += 1
+                c = job.left if job.left < budget else budget
+                chunks.append((job, c))
+                budget -= c
+                if budget <= 0:
+                    break
+        self.t0 = now
+        if chunks:
+            pf = 0
+            kv = self.kv
+            pairs = self.kv
+            for job, c in chunks:
+                pf += c
+                kv += job.ctx + c
+                pairs += c * job.ctx + c * (c + 1) / 2
+            dt = self.perf.step_s(pf, self.n, kv, pairs)
+            self.state = STEP
+            self.chunks = chunks
+            self.step_dt = dt
+            for seq in joined:
+                seq.t_first = now + dt
+            self.version += 1
+            self.loop.at(now + dt, self._step_end, self.version)
+        elif self.n:
+            heap = self.fin_heap
+            while heap[0][2].state != RUNNING:
+                heapq.heappop(heap)
+            ramp = self.ramp = DecodeRamp(self.perf.decode_lines(self.n, self.kv))
+            self.m = heap[0][0] - self.steps
+            self.s0 = self.steps
+            self.state = EPOCH
+            self.cut = False
+            first = ramp.step(0)
+            for seq in joined:
+                seq.t_first = now + first
+            self.version += 1
+            self.loop.at(now + ramp.cum(self.m), self._epoch_end, self.version)
+        else:
+            self.state = IDLE
+
+    def _step_end(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.loop.now
+        self.state = ENDING
+        dt = self.step_dt
+        self.busy_s += dt
+        self.steps += 1
+        self.decode_tokens += self.n
+        self.kv += self.n
+        self.log.append(dt)
+        done = []
+        q = self.prefill_q
+        for job, c in self.chunks:
+            job.left -= c
+            job.ctx += c
+            self.prefill_tokens += c
+            if job.left == 0:
+                q.popleft()  # chunks are taken from the queue's head, in order
+                self.admitted_prefills -= 1
+                done.append(job)
+        self.chunks = []
+        self._boundary(now)
+        for job in done:
+            job.cb(job)
+        self.state = IDLE
+        self._plan(now)
+
+    def _epoch_end(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.loop.now
+        self.state = ENDING
+        m = self.m
+        self.busy_s += now - self.t0
+        self.steps += m
+        self.decode_tokens += m * self.n
+        self.kv += m * self.n
+        self.log.append(self.ramp.step(m - 1))  # steps only grow within an epoch
+        self._boundary(now)
+        self.state = IDLE
+        self._plan(now)
+
+    def _leave(self, seq: Seq) -> None:
+        seq.state = DONE
+        self.n -= 1
+        self.kv -= seq.ctx + (self.steps - seq.join)
+
+    def _boundary(self, now: float) -> None:
+        if self.removals:
+            for seq in self.removals:
+                if seq.state == RUNNING:
+                    self._leave(seq)
+            self.removals.clear()
+        heap = self.fin_heap
+        steps = self.steps
+        while heap and heap[0][0] <= steps:
+            seq = heapq.heappop(heap)[2]
+            if seq.state != RUNNING:
+                continue
+            self._leave(seq)
+            seq.cb(seq, self._worst_since(seq.log0))
+        if len(self.log) > _LOG_TRIM:
+            self._trim_log()
+
+    def _worst_since(self, log0: int) -> float:
+        i = log0 - self.log_base
+        return max(self.log[i:]) if i < len(self.log) else 0.0
+
+    def _trim_log(self) -> None:
+        oldest = min((s.log0 for _, _, s in self.fin_heap if s.state == RUNNING), default=self.log_base + len(self.log))
+        drop = oldest - self.log_base
+        if drop > 0:
+            del self.log[:drop]
+            self.log_base = oldest

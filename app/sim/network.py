@@ -1,0 +1,92 @@
+"""Links between datacenters: a latency draw per transfer, then bandwidth shared.
+
+Each transfer (one KV pull) first waits the link's RTT plus a jitter draw and
+possibly a stall (drawn by app.kv.link.LinkModel, the same draws the real
+link emulation makes), then its bytes flow. Concurrent flows share the
+bandwidth equally (processor sharing), as the real relay interleaves chunks of
+concurrent pulls.
+
+Processor sharing runs in virtual time: `vt` is the bytes each active flow has
+received since the link last went idle, growing at bandwidth / active flows;
+a flow added at `vt0` with `b` bytes ends when `vt` reaches `vt0 + b`. Adding
+or ending a flow is O(log flows) and needs one pending event per link.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from itertools import count
+from typing import Any
+
+from app.config import LinkConfig
+from app.kv.link import LinkModel
+from app.sim.events import Loop
+
+
+class Link:
+    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan")
+
+    def __init__(self, loop: Loop, config: LinkConfig, seed: int = 0):
+        self.loop = loop
+        self.model = LinkModel(config, seed_salt=seed)
+        self.bw = self.model.bytes_per_s
+        self.vt = 0.0
+        self.t_last = 0.0
+        self.heap: list[tuple[float, int, tuple[int, Callable[[Any], None], Any]]] = []
+        self.version = 0
+        self._order = count()
+        self.bytes = 0
+        self.transfers = 0
+        self.wan = config.between[0] != config.between[1]
+
+    def send(self, nbytes: int, done: Callable[[Any], None], arg: Any) -> None:
+        """Move `nbytes`; call `done(arg)` when the last byte arrived (at once for 0 bytes)."""
+        loop = self.loop
+        if nbytes <= 0:
+            loop.at(loop.now, done, arg)
+            return
+        self.transfers += 1
+        delay = self.model.first_byte_delay_s() + self.model.stall_s()
+        loop.at(loop.now + delay, self._start, (nbytes, done, arg))
+
+    def _advance(self, now: float) -> None:
+        n = len(self.heap)
+        if n:
+            self.vt += (now - self.t_last) * self.bw / n
+        self.t_last = now
+
+    def _start(self, flow: tuple[int, Callable[[Any], None], Any]) -> None:
+        now = self.loop.now
+        self._advance(now)
+        heapq.heappush(self.heap, (self.vt + flow[0], next(self._order), flow))
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        self.version += 1
+        heap = self.heap
+        if heap:
+            self.loop.at(now + (heap[0][0] - self.vt) * len(heap) / self.bw, self._finish, self.version)
+        else:
+            self.vt = 0.0  # re-base while idle: keeps the float sums small
+
+    def _finish(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.loop.now
+        self._advance(now)
+        heap = self.heap
+        # this event was the head flow's end; others ending within a nanosecond end with it
+        # (float time cannot always resolve the last few bytes of a fast link)
+        due = self.vt + 1e-9 * self.bw / len(heap)
+        ended = [heapq.heappop(heap)[2]]
+        while heap and heap[0][0] <= due:
+            ended.append(heapq.heappop(heap)[2])
+        self._schedule(now)
+        for nbytes, done, arg in ended:
+            self.bytes += nbytes
+            done(arg)
+
+    @property
+    def active_flows(self) -> int:
+        return len(self.heap)

@@ -1,0 +1,212 @@
+"""How long one engine step takes, from its batch shape.
+
+A step of a continuous-batching engine runs `prefill_tokens` new prompt tokens
+(chunks of one or more prompts) and one token for each of `decode_seqs`
+running sequences. Two models answer the same questions:
+
+- `Roofline`: from the accelerator's peak FLOP/s and memory bandwidth and the
+  model's size figures (config: `node_groups.*.spec`, `model.spec`); a step
+  takes the longer of its compute time and its memory time.
+- `FittedPerf`: `step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read`,
+  fitted by least squares from measured steps (`fit_from_samples`); the
+  calibration path for machines without a spec, such as the CPU dev cluster.
+
+Decode-only stretches are simulated without a per-step event: with `n`
+sequences and `K0` context tokens, step `k` reads `K0 + k*n` tokens, so its
+time is the larger of two lines in `k` (`decode_lines`) and `DecodeRamp` sums
+and inverts those steps in closed form.
+
+Samples JSON (`load_samples`): `{"samples": [{"prefill_tokens": int,
+"decode_seqs": int, "kv_tokens_read": int, "step_ms": float}, ...]}`, one entry
+per measured engine step; `kv_tokens_read` counts the context tokens attention
+read in that step (every running sequence's context plus each prefill chunk's
+cached prefix and the chunk itself). A fitted model saves as `{"a_ms": ...,
+"b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
+"d_ms_per_kv_token": ...}` (`FittedPerf.to_json` / `from_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.config import AcceleratorSpec, ModelSpec
+
+
+class PerfModel(Protocol):
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float) -> float:
+        """Seconds of one step; `attention_pairs` counts (query, key) token pairs."""
+
+    def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
+        """Decode-only step `k` with `n` sequences holding `k0` tokens takes
+        max(p0 + p1*k, q0 + q1*k) seconds; returns (p0, p1, q0, q1)."""
+
+
+class Roofline:
+    """A replica of `gpus` accelerators serving one model: max(compute, memory) per step.
+
+    Weights read per step are the active parameters of every token in the step,
+    at most all parameters: a large batch touches every expert of an MoE once.
+    """
+
+    __slots__ = ("flops_s", "bytes_s", "flops_per_token", "attn_flops", "active_bytes", "total_bytes", "kv_bytes", "overhead_s")
+
+    def __init__(self, acc: AcceleratorSpec, model: ModelSpec, gpus: int = 1):
+        self.flops_s = acc.peak_tflops * 1e12 * gpus * acc.compute_efficiency
+        self.bytes_s = acc.memory_bandwidth_gbps * 1e9 * gpus * acc.bandwidth_efficiency
+        self.flops_per_token = 2.0 * model.active_params_b * 1e9
+        self.attn_flops = model.attention_flops_per_token_pair
+        self.active_bytes = model.active_params_b * 1e9 * model.weight_bytes_per_param
+        self.total_bytes = (model.total_params_b or model.active_params_b) * 1e9 * model.weight_bytes_per_param
+        self.kv_bytes = model.kv_bytes_per_token
+        self.overhead_s = acc.step_overhead_ms / 1000
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float) -> float:
+        tokens = prefill_tokens + decode_seqs
+        compute = (tokens * self.flops_per_token + attention_pairs * self.attn_flops) / self.flops_s
+        weights = min(self.total_bytes, self.active_bytes * tokens)
+        memory = (weights + kv_tokens_read * self.kv_bytes) / self.bytes_s
+        return max(compute, memory) + self.overhead_s
+
+    def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
+        # a decode token attends to its whole context: pairs == tokens read
+        o = self.overhead_s
+        c0 = (n * self.flops_per_token + k0 * self.attn_flops) / self.flops_s + o
+        c1 = n * self.attn_flops / self.flops_s
+        m0 = (min(self.total_bytes, self.active_bytes * n) + k0 * self.kv_bytes) / self.bytes_s + o
+        m1 = n * self.kv_bytes / self.bytes_s
+        return c0, c1, m0, m1
+
+
+@dataclass(frozen=True)
+class FittedPerf:
+    """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read (all >= 0)."""
+
+    a_ms: float
+    b_ms_per_prefill_token: float
+    c_ms_per_decode_seq: float
+    d_ms_per_kv_token: float
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0) -> float:
+        return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
+                + self.d_ms_per_kv_token * kv_tokens_read) / 1000
+
+    def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
+        p0 = (self.a_ms + self.c_ms_per_decode_seq * n + self.d_ms_per_kv_token * k0) / 1000
+        p1 = self.d_ms_per_kv_token * n / 1000
+        return p0, p1, p0, p1
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FittedPerf":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class StepSample:
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens_read: int
+    step_ms: float
+
+
+def load_samples(path: str | Path) -> list[StepSample]:
+    doc = json.loads(Path(path).read_text())
+    return [StepSample(**s) for s in doc["samples"]]
+
+
+def save_samples(path: str | Path, samples: Iterable[StepSample]) -> None:
+    Path(path).write_text(json.dumps({"samples": [s.__dict__ for s in samples]}, indent=1))
+
+
+def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> FittedPerf:
+    """Least squares with non-negative coefficients.
+
+    A coefficient that comes out negative (noise, or a column the samples never
+    vary) is pinned to 0 and the rest refitted: a negative cost per token would
+    make big batches faster than small ones.
+    """
+    import numpy as np
+
+    rows = [s if isinstance(s, StepSample) else StepSample(**s) for s in samples]
+    if len(rows) < 2:
+        raise ValueError("need at least two samples to fit a step-time model")
+    x = np.array([[1.0, r.prefill_tokens, r.decode_seqs, r.kv_tokens_read] for r in rows])
+    y = np.array([r.step_ms for r in rows])
+    free = [0, 1, 2, 3]
+    coef = np.zeros(4)
+    while free:
+        sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[free] = sol
+            break
+        free = [f for f, v in zip(free, sol) if v >= 0] if (sol >= 0).any() else []
+    return FittedPerf(*(float(c) for c in coef))
+
+
+class DecodeRamp:
+    """Closed-form sums of decode steps whose time is max of two lines in the step index."""
+
+    __slots__ = ("p0", "p1", "q0", "q1", "split")
+
+    def __init__(self, lines: tuple[float, float, float, float]):
+        p0, p1, q0, q1 = lines
+        if max(p0, q0) <= 0:
+            raise ValueError("a decode step must take some time (perf model gives 0)")
+        # order the lines so the first dominates for k < split, the second after
+        if p0 < q0 or (p0 == q0 and p1 < q1):
+            p0, p1, q0, q1 = q0, q1, p0, p1
+        self.p0, self.p1, self.q0, self.q1 = p0, p1, q0, q1
+        if q1 > p1:
+            self.split = max(0, math.ceil((p0 - q0) / (q1 - p1)))
+            # at the crossing both lines are equal: either side is exact
+        else:
+            self.split = math.inf
+
+    def step(self, k: int) -> float:
+        return max(self.p0 + self.p1 * k, self.q0 + self.q1 * k)
+
+    def cum(self, m: int) -> float:
+        """Seconds of steps 0 .. m-1."""
+        s = self.split
+        if m <= s:
+            return _series(self.p0, self.p1, 0, m)
+        return _series(self.p0, self.p1, 0, s) + _series(self.q0, self.q1, s, m)
+
+    def steps_within(self, t: float) -> int:
+        """Most steps m with cum(m) <= t."""
+        s = self.split
+        head = self.cum(s) if s != math.inf else math.inf
+        if t < head:
+            return _invert(self.p0, self.p1, 0, t, self)
+        return s + _invert(self.q0 + self.q1 * s, self.q1, s, t - head, self)
+
+
+def _series(c0: float, c1: float, a: int, b: int) -> float:
+    """sum over k in [a, b) of c0 + c1*k."""
+    return (b - a) * c0 + c1 * (b * (b - 1) - a * (a - 1)) / 2
+
+
+def _invert(c0: float, c1: float, base: int, t: float, ramp: DecodeRamp) -> int:
+    """Most j with sum_{i<j} (c0 + c1*i) <= t, checked against ramp.cum at base+j."""
+    if t <= 0:
+        j = 0
+    elif c1 <= 0:
+        j = int(t / c0)
+    else:
+        b = c0 - c1 / 2
+        j = int((-b + math.sqrt(b * b + 2 * c1 * t)) / c1)
+    total = ramp.cum(base) + t
+    # the float solution may be one off either way; the sums decide
+    while j > 0 and ramp.cum(base + j) > total:
+        j -= 1
+    while ramp.cum(base + j + 1) <= total:
+        j += 1
+    return j

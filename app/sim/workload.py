@@ -1,0 +1,180 @@
+"""What the twin serves: an agentic multi-turn generator, or a replayed JSONL trace.
+
+A request says how long its prompt is, how much of it repeats the
+conversation so far, and how many tokens it asks for. Token ids are never
+needed: caches are tracked per conversation (app/sim/cache.py).
+
+Trace format (one JSON object per line, in arrival order):
+
+    {"arrival_s": 12.5, "session": "c17", "prompt_tokens": 60412,
+     "prefix_tokens": 59800, "output_tokens": 380}
+
+- `arrival_s`: seconds since the start of the trace.
+- `session`: conversation id (string or integer); turns of one conversation
+  reuse its prefix and are routed to the same replicas.
+- `prompt_tokens`: prompt length.
+- `prefix_tokens`: leading prompt tokens identical to the conversation's
+  previous request's prompt followed by its output (0 for a first turn).
+  Equal to that whole length when the turn only appends to the context;
+  smaller when the context was rewritten (compaction, edits), which
+  invalidates cached blocks past that point.
+- `output_tokens`: tokens generated (the request's max_tokens; ignore_eos).
+
+The generator's hit rate of a turn is prefix_tokens / prompt_tokens: what a
+cache that kept the whole conversation would hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Annotated, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Request(NamedTuple):
+    arrival_s: float
+    session: int | str
+    prompt_tokens: int
+    prefix_tokens: int
+    output_tokens: int
+
+
+class HitBand(BaseModel):
+    """A share of turns whose hit rate is drawn uniformly in [low, high]."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight: Annotated[float, Field(gt=0)]
+    low: Annotated[float, Field(ge=0, le=1)]
+    high: Annotated[float, Field(ge=0, le=1)]
+
+
+class AgenticWorkload(BaseModel):
+    """Agentic sessions: long contexts that grow turn by turn, mostly cached.
+
+    Sessions start as a Poisson process at `rps / mean turns`; a session's next
+    turn arrives `think_time` after the previous one arrived (the agent's tool
+    time plus the model's answer). The superposition of many such sessions is
+    close to Poisson at `rps` (Palm-Khintchine). Turns are open loop: a turn
+    arriving before its predecessor finished simply finds less in the caches.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    requests: Annotated[int, Field(gt=0)] = 2000
+    rps: Annotated[float, Field(gt=0)] = 1.0
+    seed: int = 0
+    turns_min: Annotated[int, Field(ge=1)] = 10
+    turns_max: Annotated[int, Field(ge=1)] = 30
+    """Turns per session, uniform in [turns_min, turns_max]."""
+    first_prompt_median: Annotated[int, Field(gt=0)] = 24_000
+    first_prompt_sigma: Annotated[float, Field(ge=0)] = 0.5
+    """First turn's prompt: lognormal (system prompt, tools, task)."""
+    max_context_tokens: Annotated[int, Field(gt=0)] = 65_536
+    compact_to: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """A turn that would outgrow max_context is compacted to this fraction of it;
+    only the turn's drawn hit share of the compacted prompt is reused."""
+    hit_bands: list[HitBand] = [
+        HitBand(weight=0.75, low=0.95, high=1.0),
+        HitBand(weight=0.21, low=0.6, high=0.95),
+        HitBand(weight=0.04, low=0.0, high=0.5),
+    ]
+    """Hit-rate mix of follow-up turns (first turns are cold). The default
+    follows ../shared/PDD.md: most turns hit above 95%, a low-hit tail of a
+    few percent, about 90% on average."""
+    output_median: Annotated[int, Field(gt=0)] = 400
+    output_sigma: Annotated[float, Field(ge=0)] = 0.8
+    output_max: Annotated[int, Field(gt=0)] = 4096
+    think_time_min_s: Annotated[float, Field(ge=0)] = 20.0
+    think_time_mean_s: Annotated[float, Field(ge=0)] = 20.0
+    """Gap between a session's turns: think_time_min_s plus an exponential draw of this mean."""
+
+    def with_rps(self, rps: float) -> "AgenticWorkload":
+        return self.model_copy(update={"rps": rps})
+
+    def generate(self) -> Iterator[Request]:
+        return agentic_requests(self)
+
+
+def _session_turns(w: AgenticWorkload, rng: random.Random, start: float) -> list[tuple[float, int, int, int]]:
+    turns = rng.randint(w.turns_min, max(w.turns_min, w.turns_max))
+    weights = [b.weight for b in w.hit_bands]
+    out = []
+    t = start
+    stream = 0
+    for i in range(turns):
+        if i == 0:
+            prompt = min(w.max_context_tokens, max(1, int(rng.lognormvariate(math.log(w.first_prompt_median), w.first_prompt_sigma))))
+            prefix = 0
+        else:
+            band = rng.choices(w.hit_bands, weights)[0]
+            hit = rng.uniform(band.low, band.high)
+            grown = math.ceil(stream / hit) if hit > 0 else math.inf
+            if grown <= w.max_context_tokens:
+                prompt = max(stream + 1, grown)
+                prefix = stream
+            else:
+                prompt = max(1, int(w.compact_to * w.max_context_tokens))
+                prefix = min(stream, int(hit * prompt))
+            t += w.think_time_min_s + (rng.expovariate(1 / w.think_time_mean_s) if w.think_time_mean_s > 0 else 0.0)
+        output = min(w.output_max, max(1, int(rng.lognormvariate(math.log(w.output_median), w.output_sigma))))
+        out.append((t, prompt, prefix, output))
+        stream = prompt + output
+    return out
+
+
+def agentic_requests(w: AgenticWorkload) -> Iterator[Request]:
+    """`w.requests` requests in arrival order, generated lazily (memory: open sessions only)."""
+    rng = random.Random(w.seed)
+    session_rate = w.rps / ((w.turns_min + max(w.turns_min, w.turns_max)) / 2)
+    pending: list[tuple[float, int, int, Request]] = []
+    next_start = rng.expovariate(session_rate)
+    sid = 0
+    emitted = 0
+    while emitted < w.requests:
+        if not pending or next_start <= pending[0][0]:
+            for k, (t, prompt, prefix, output) in enumerate(_session_turns(w, rng, next_start)):
+                heapq.heappush(pending, (t, sid, k, Request(t, sid, prompt, prefix, output)))
+            sid += 1
+            next_start += rng.expovariate(session_rate)
+            continue
+        yield heapq.heappop(pending)[3]
+        emitted += 1
+
+
+def fixed_hit(w: AgenticWorkload, hit: float) -> AgenticWorkload:
+    """The same sessions with every follow-up turn at one hit rate (the bathtub sweep)."""
+    return w.model_copy(update={"hit_bands": [HitBand(weight=1.0, low=hit, high=hit)]})
+
+
+def read_trace(path: str | Path) -> Iterator[Request]:
+    last = -math.inf
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            r = Request(float(d["arrival_s"]), d["session"], int(d["prompt_tokens"]), int(d["prefix_tokens"]), int(d["output_tokens"]))
+            if r.arrival_s < last:
+                raise ValueError(f"{path}:{n}: arrivals must not go back in time")
+            if r.prompt_tokens < 1 or r.output_tokens < 1 or not 0 <= r.prefix_tokens <= r.prompt_tokens:
+                raise ValueError(f"{path}:{n}: need prompt_tokens >= 1, output_tokens >= 1, 0 <= prefix_tokens <= prompt_tokens")
+            last = r.arrival_s
+            yield r
+
+
+def write_trace(path: str | Path, requests: Iterable[Request]) -> int:
+    n = 0
+    with Path(path).open("w") as f:
+        for r in requests:
+            f.write(json.dumps(r._asdict()) + "\n")
+            n += 1
+    return n
+
+
+def hit_rate(r: Request) -> float:
+    return r.prefix_tokens / r.prompt_tokens

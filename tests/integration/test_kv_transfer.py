@@ -1,0 +1,179 @@
+"""KV transfer between real engines: exact tokens, exact bytes, leases, faults."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import pytest
+
+from app.cluster import orphans
+from app.kv.params import PRODUCE
+from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
+from tests.conftest import local_args
+from tests.integration.conftest import completion, deploy_app, kill_replica
+
+BLOCK = 32
+BYTES_PER_BLOCK = BLOCK * 4096  # dev model: 2 layers x K,V x 4 heads x 64 dims x fp32
+HEADER_BOUND = 4096
+LEASE_TIMEOUT_S = 4.0
+WAN = "dc-a->dc-b"
+INTRA = "dc-a->dc-a"
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance):
+    args = local_args()
+    args["model"]["max_model_len"] = 8192
+    args["kv"] = {"lease_timeout_s": LEASE_TIMEOUT_S, "transfer_timeout_s": 60}
+    for link in args["links"]:
+        if link["between"] == ["dc-a", "dc-b"]:
+            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    deployed = deploy_app(serve_instance, "kv", args)
+    yield deployed
+    deployed.delete()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def link_bytes(app, direction: str) -> int:
+    return app.handle("Links").counters.remote().result()[direction]["bytes_down"]
+
+
+def leases_live(app) -> int:
+    return app.handle("Prefill").kv_state.remote().result()["leases_live"]
+
+
+def wait_leases(app, expected: int, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = leases_live(app)
+        if live == expected or time.monotonic() > deadline:
+            return live
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("mode", ["pd_intra_dc", "pd_cross_dc_naive"])
+def test_pd_modes_return_the_colocated_tokens(app, mode):
+    prompt = tokens(hash(mode) % 1000, 700)
+    text, journey = completion(app, prompt, 48, mode=mode)
+    reference, _ = completion(app, prompt, 48, mode="colocated")
+    assert text == reference
+    assert journey["completion_tokens"] == 48
+    expected_link = INTRA if mode == "pd_intra_dc" else WAN
+    assert [t["link"] for t in journey["transfers"]] == [expected_link]
+    assert journey["transfers"][0]["ok"]
+
+
+def test_naive_mode_ships_the_whole_prompt_every_turn(app):
+    prompt = tokens(3, 640)
+    completion(app, prompt, 8, mode="pd_cross_dc_naive")
+    _, journey = completion(app, prompt, 8, mode="pd_cross_dc_naive")  # MD now holds it all
+    assert journey["transfers"][0]["blocks"] == math.ceil(640 / BLOCK)
+    assert journey["token_sources"] == [["main_decode", 8]]  # first token from the decoder side
+
+
+def test_second_turn_moves_only_the_new_blocks(app):
+    turn1 = tokens(4, 1000)
+    _, j1 = completion(app, turn1, 16, mode="pd_intra_dc")
+    assert j1["transfers"][0]["blocks"] == math.ceil(1000 / BLOCK)
+    turn2 = turn1 + tokens(5, 300)
+    before = link_bytes(app, INTRA)
+    _, j2 = completion(app, turn2, 16, mode="pd_intra_dc")
+    moved = link_bytes(app, INTRA) - before
+    expected_blocks = math.ceil(1300 / BLOCK) - 1000 // BLOCK
+    t = j2["transfers"][0]
+    assert t["blocks"] == expected_blocks
+    assert t["bytes"] == expected_blocks * BYTES_PER_BLOCK
+    assert t["bytes"] <= moved <= t["bytes"] + HEADER_BOUND
+    assert j2["hit_tokens"]["relay_decode"] == 1000 // BLOCK * BLOCK
+
+
+def test_lease_is_freed_after_the_pull(app):
+    completion(app, tokens(6, 500), 8, mode="pd_intra_dc")
+    assert wait_leases(app, 0, timeout_s=10) == 0
+
+
+def test_unpulled_lease_expires(app):
+    """A prefill whose decoder never comes: the blocks go back after the lease timeout."""
+    p = next(iter(app_replicas(app, "Prefill")))
+    client = TokenStreamClient(p["node_ip"], p["token_port"])
+
+    async def produce():
+        request = EngineRequest("orphan-lease", tokens(7, 300), SamplingOptions(max_tokens=1, temperature=0), kv_transfer_params={PRODUCE: {"consumers": 1}})
+        out = [d async for d in client.stream(request)]
+        await client.close()
+        return out
+
+    import asyncio
+
+    asyncio.run(produce())
+    assert wait_leases(app, 1, timeout_s=5) == 1
+    assert wait_leases(app, 0, timeout_s=LEASE_TIMEOUT_S + 10) == 0
+
+
+def app_replicas(app, deployment: str) -> list[dict]:
+    info = app.handle(deployment).describe.remote().result()
+    return [vars(info)]
+
+
+def test_cutting_the_wan_mid_transfer_recomputes_and_counts_the_failure(app):
+    prompt = tokens(8, 2400)  # ~9.8 MB of KV: ~4 s over the 20 Mbit/s WAN
+    result = {}
+
+    def run():
+        result["text"], result["journey"] = completion(app, prompt, 24, mode="pd_cross_dc_naive")
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(1.5)
+    app.handle("Links").cut.remote(WAN, 2.0).result()
+    worker.join(120)
+    reference, _ = completion(app, prompt, 24, mode="colocated")
+    assert result["text"] == reference
+    transfer = result["journey"]["transfers"][0]
+    assert not transfer["ok"] and transfer["link"] == WAN
+    assert 0 < transfer["blocks"] < math.ceil(2400 / BLOCK)
+    assert wait_leases(app, 0, timeout_s=10) == 0
+
+
+def test_killing_prefill_after_its_prefill_makes_decoders_recompute(app):
+    """PDD, low hit: the first token comes from P, then P dies while MD's WAN pull runs."""
+    prompt = tokens(9, 2400)
+    got: dict = {}
+
+    def run():
+        got["text"], got["journey"] = completion(app, prompt, 64, mode="pdd")
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _prefill_done(app):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    kill_replica(app, "Prefill")
+    worker.join(180)
+    deadline = time.monotonic() + 15  # the killed replica's engine processes follow it
+    while orphans() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert orphans() == []
+    assert "text" in got, "request did not finish"
+    journey = got["journey"]
+    assert journey["pipeline"] == "P-RLD-MD"
+    assert any(not t["ok"] for t in journey["transfers"]), journey["transfers"]
+    app.wait_running()
+    reference, _ = completion(app, prompt, 64, mode="colocated")
+    assert got["text"] == reference
+
+
+def _prefill_done(app) -> bool:
+    """True once the conductor has seen a prefill finish for an in-flight PDD request."""
+    import httpx
+
+    state = httpx.get(f"{app.base_url}/pdd/requests", timeout=10)
+    return any(j["pipeline"] == "P-RLD-MD" and j["finished_at"] is None and "prefill" in j["hit_tokens"] for j in state.json()["requests"])
