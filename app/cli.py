@@ -9,6 +9,7 @@ import typer
 import yaml
 from rich.console import Console
 
+from agents.cli import agents_cli
 from app import cluster
 from app.config import ConfigError, load_config
 
@@ -16,6 +17,7 @@ console = Console()
 main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
 cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
 main.add_typer(cluster_cli, name="cluster")
+main.add_typer(agents_cli, name="agents")
 
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")
 

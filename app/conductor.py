@@ -182,7 +182,14 @@ class Conductor:
             raise NoReplicaError(f"no live {role.value} replica")
         choice = self.index.choose({rid: i.num_kv_blocks for rid, i in infos.items()}, keys, self.engines.load)
         journey.replicas[role.value] = choice.replica_id
-        return infos[choice.replica_id], choice.cached_tokens
+        replica = infos[choice.replica_id]
+        # the next turn may arrive before this one ends: route it here too
+        self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
+        return replica, choice.cached_tokens
+
+    def unroute(self, replica: ReplicaInfo, keys: list[int], cached_tokens: int) -> None:
+        """The request will not leave its prompt on this replica after all."""
+        self.index.observe(replica.replica_id, keys, cached_tokens)
 
     def remember(self, replica: ReplicaInfo, tokens: list[int], actual_hit: int | None = None, prompt_keys: list[int] | None = None) -> None:
         """After a request: correct the estimate with the engine's real hit, then
@@ -275,8 +282,10 @@ class Conductor:
             return
         if first_token_from_prefill:
             yield Tokens(first.token_ids, RoleName.prefill)
-        replica, _ = await self.route(decode_role, keys, journey)
+        replica, cached = await self.route(decode_role, keys, journey)
         naive = not first_token_from_prefill
+        if naive:  # salted: the decoder's cache will not hold this prompt
+            self.unroute(replica, keys, cached)
         async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, cache_salt=req.request_id if naive else None, hold_first=naive):
             yield batch
 

@@ -50,6 +50,9 @@ class Journey:
     finish_reason: str | None = None
     error: str | None = None
     finished_at: float | None = None
+    recorded_roles: set[str] = field(default_factory=set, repr=False)
+    """Bookkeeping of app.metrics.record_kv (not part of the journey's story)."""
+    recorded_transfers: int = field(default=0, repr=False)
 
     def note_tokens(self, role: str, count: int) -> None:
         if count <= 0:
@@ -71,6 +74,7 @@ class Journey:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["recorded_roles"], d["recorded_transfers"]
         d["duration_ms"] = self.duration_ms
         return d
 

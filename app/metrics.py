@@ -137,19 +137,9 @@ def record_journey(journey, slo, outcome: str) -> None:
         r.observe(MAX_GAP, journey.max_gap_ms / 1000, pipeline=pipeline)
         if journey.max_gap_ms > slo.max_gap_ms:
             r.inc(SLO_VIOLATIONS, pipeline=pipeline, slo="gap")
-    for role, hit in journey.hit_tokens.items():
-        if journey.prompt_tokens:
-            r.observe(PREFIX_HIT, min(hit, journey.prompt_tokens) / journey.prompt_tokens, role=role)
-            r.inc(PROMPT_TOKENS, journey.prompt_tokens, role=role)
-            r.inc(CACHED_TOKENS, min(hit, journey.prompt_tokens), role=role)
-    for t in journey.transfers:
-        r.inc(KV_BYTES, t.bytes, link=t.link)
-        r.inc(KV_BLOCKS, t.blocks, link=t.link)
-        r.observe(KV_SECONDS, t.seconds, link=t.link)
-        if not t.ok:
-            r.inc(KV_FAILURES, link=t.link, reason=(t.error or "error").split(":")[0])
-    if journey.handoff:
-        mode = journey.handoff.get("mode", "none")
+    record_kv(journey)
+    if journey.handoff and journey.handoff.get("mode") != "none":
+        mode = journey.handoff["mode"]
         if journey.handoff.get("latency_ms") is not None:
             r.observe(HANDOFF, journey.handoff["latency_ms"] / 1000, mode=mode)
         r.observe(HANDOFF_TOKENS, journey.handoff.get("tokens", 0), mode=mode)
@@ -158,6 +148,29 @@ def record_journey(journey, slo, outcome: str) -> None:
         r.observe(RELAY_TOKENS, relay)
     if journey.pipeline == "P-RLD":
         r.inc(SINGULAR)
+
+
+def record_kv(journey) -> None:
+    """Prefix hits and KV transfers of a journey not recorded yet.
+
+    Called when the request ends, and again when engine work that outlives it
+    (an MD warm-up after the relay finished the request) reports.
+    """
+    r = registry()
+    for role, hit in journey.hit_tokens.items():
+        if role in journey.recorded_roles or not journey.prompt_tokens:
+            continue
+        journey.recorded_roles.add(role)
+        r.observe(PREFIX_HIT, min(hit, journey.prompt_tokens) / journey.prompt_tokens, role=role)
+        r.inc(PROMPT_TOKENS, journey.prompt_tokens, role=role)
+        r.inc(CACHED_TOKENS, min(hit, journey.prompt_tokens), role=role)
+    for t in journey.transfers[journey.recorded_transfers :]:
+        r.inc(KV_BYTES, t.bytes, link=t.link)
+        r.inc(KV_BLOCKS, t.blocks, link=t.link)
+        r.observe(KV_SECONDS, t.seconds, link=t.link)
+        if not t.ok:
+            r.inc(KV_FAILURES, link=t.link, reason=(t.error or "error").split(":")[0])
+    journey.recorded_transfers = len(journey.transfers)
 
 
 def markdown_table() -> str:

@@ -1,6 +1,7 @@
 """Which replica holds which prompt prefix: hit estimates and affinity.
 
-An index of what was routed, not vLLM's KV cache events. Why: the estimate is
+An index of what was routed (recorded when a request is routed, completed with
+its output when it ends), not vLLM's KV cache events. Why: the estimate is
 needed before routing, in the conductor, and what was routed is exact there at
 no cost, while KV events would need a subscriber per engine and would still
 lag the routing decisions they must inform. Evictions, the one thing routing
@@ -16,6 +17,7 @@ hold", as vLLM's own prefix cache does.
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,7 +92,10 @@ class PrefixIndex:
         return 0 if cache is None else cache.matched_blocks(keys) * self.block_size
 
     def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int]) -> Choice:
-        """Longest expected hit, unless that replica is overloaded; ties go to the idlest.
+        """Longest expected hit, unless that replica is overloaded; ties go to the idlest,
+        then to the emptiest cache, then to a replica picked by rendezvous hashing of
+        the prompt's first block: new conversations spread evenly, and each keeps its
+        replica from the next turn on.
 
         `candidates` maps live replica ids to their KV capacity in blocks.
         """
@@ -101,7 +106,11 @@ class PrefixIndex:
         loads = {rid: load(rid) for rid in candidates}
         idlest = min(loads.values())
         eligible = [rid for rid in candidates if loads[rid] - idlest <= self.imbalance_limit]
-        best = min(eligible, key=lambda rid: (-self.estimate(rid, keys), loads[rid], rid))
+        first = keys[0] if keys else 0
+        best = min(
+            eligible,
+            key=lambda rid: (-self.estimate(rid, keys), loads[rid], len(self._replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())),
+        )
         return Choice(best, self.estimate(best, keys))
 
     def record(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
+from app import metrics
 from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
 from app.journal import Journey
@@ -97,6 +98,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     if decision.pipeline is Pipeline.p_md:
         stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys)
     elif decision.pipeline is Pipeline.p_rld:
+        c.unroute(md, keys, md_cached)  # singular: MD never sees this request
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
     else:
@@ -250,12 +252,13 @@ class Relay:
         MD's cache keeps up with P's for the conversation's next turn."""
         if md_task is None:
             return
-        md, keys, c = self.md, self.req.prompt_token_ids + self.first.token_ids, self.c
+        md, keys, c, journey = self.md, self.req.prompt_token_ids + self.first.token_ids, self.c, self.journey
 
         def done(task: asyncio.Task) -> None:
             c.background.discard(task)
             if not task.cancelled() and task.exception() is None:
                 c.remember(md, keys)
+                metrics.record_kv(journey)  # the warm's pull and MD's hit, after the request ended
 
         c.background.add(md_task)
         md_task.add_done_callback(done)

@@ -48,3 +48,15 @@ def test_capacity_is_lru_bounded():
     cache.add([4])
     assert len(cache) == 3
     assert cache.matched_blocks([1]) == 1 and cache.matched_blocks([2]) == 0
+
+
+def test_new_conversations_spread_and_stay_put():
+    idx = PrefixIndex(32)
+    replicas = {"md-0": 1000, "md-1": 1000, "md-2": 1000}
+    picks = {}
+    for conv in range(60):
+        keys = idx.keys([conv] * 64)
+        picks[conv] = idx.choose(replicas, keys, load=lambda rid: 0).replica_id
+        assert idx.choose(replicas, keys, load=lambda rid: 0).replica_id == picks[conv]  # stable
+    counts = [list(picks.values()).count(r) for r in replicas]
+    assert min(counts) >= 10, counts

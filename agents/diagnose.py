@@ -1,0 +1,268 @@
+"""Diagnose: name the situations a Snapshot shows, each with its evidence (query + value).
+
+Every situation has an entry threshold and a lower exit threshold
+(hysteresis): it becomes active past the first and stays active until the
+figure falls below the second, so a figure hovering at a threshold does not
+flap. `streak` counts consecutive active ticks; the guard acts only once a
+situation has lasted `agents.confirm_ticks`.
+
+Each situation names the specialists that act on it and has a runbook,
+runbooks/<name>.md.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from agents import figures as f
+from agents.knobs import get_knob, replica_target
+from agents.memory import Memory
+from agents.observe import Snapshot
+from app.config import AgentsConfig, LiveKnobs, PDDConfig, RoleName
+
+RLD_OVERLOAD = "rld_overload"
+MD_HIT_BEHIND = "md_hit_behind"
+WAN_DEGRADATION = "wan_degradation"
+BATHTUB_VALLEY = "bathtub_valley"
+TTFT_BREACH = "ttft_slo_breach"
+TPOT_BREACH = "tpot_slo_breach"
+LEASE_LEAK = "kv_lease_leak"
+REPLICA_CRASH = "replica_crash"
+OVER_PROVISIONED = "over_provisioned"
+
+#: Situation -> the specialists that act on it (agents/specialists/).
+SPECIALISTS: dict[str, tuple[str, ...]] = {
+    RLD_OVERLOAD: ("handoff", "capacity"),
+    MD_HIT_BEHIND: ("routing", "capacity"),
+    WAN_DEGRADATION: ("routing", "handoff"),
+    BATHTUB_VALLEY: ("routing", "capacity"),
+    TTFT_BREACH: ("capacity",),
+    TPOT_BREACH: ("capacity",),
+    LEASE_LEAK: ("clerk",),
+    REPLICA_CRASH: ("clerk",),
+    OVER_PROVISIONED: ("capacity",),
+}
+SITUATIONS = tuple(SPECIALISTS)
+
+# (enter, stay): a situation starts past `enter` and lasts while past `stay`.
+RLD_LOAD = (0.85, 0.7)
+"""RLD requests in progress per batch slot."""
+RLD_RECOVERED = 0.5
+"""Below this RLD load a relay cap lowered under overload goes back up."""
+HIT_GAP = (0.15, 0.08)
+"""P's prefix-hit ratio minus MD's."""
+WAN_SLOWDOWN = (2.0, 1.3)
+"""Observed mean pull time / what the configured link model predicts."""
+WAN_FAILURES = (0.05, 0.01)
+"""Failed pulls / pulls."""
+VALLEY_SHARE = (0.3, 0.2)
+"""Share of MD requests with a prefix hit inside figures.VALLEY."""
+VALLEY_GAP = (1.0, 0.8)
+"""P-MD worst-gap p99 / the gap target: the valley only matters when it hurts."""
+SLO_RATIO = (1.0, 0.85)
+"""Figure at the SLO percentile / target."""
+LEASE_EXCESS = (1.0, 0.8)
+"""Live leases / what traffic explains (rate x lease timeout x 1.5 + LEASE_SLACK)."""
+LEASE_SLACK = 16
+OVER_SCORE = (0.5, 0.6)
+"""SLO score below which capacity is spare (stays spare below the second)."""
+IDLE_LOAD = 0.3
+"""A role whose load is below this, with more than one replica, can give one back."""
+#: Recovery: a moved knob is restored once its link is back under this slowdown.
+RECOVERED_SLOWDOWN = WAN_SLOWDOWN[1]
+
+
+class Evidence(BaseModel):
+    query: str
+    """The PromQL that produced the value (or the twin's name for it)."""
+    value: float | None
+    threshold: float | None = None
+    note: str = ""
+
+
+class Situation(BaseModel):
+    name: str
+    subject: str = ""
+    """What it is about: a link, a deployment; empty for the whole app."""
+    summary: str
+    severity: int = 1
+    """0: recovered (knobs go back to intent), 1: warning, 2: SLO at stake."""
+    evidence: list[Evidence]
+    specialists: list[str]
+    streak: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.subject}" if self.subject else self.name
+
+
+class _Diagnosis:
+    def __init__(self, snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float):
+        self.snap, self.config, self.agents, self.knobs, self.memory, self.now = snap, config, agents, knobs, memory, now
+        self.found: list[Situation] = []
+
+    def past(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
+        """Above the entry threshold, or above the exit threshold while already active."""
+        if value is None:
+            return False
+        return value >= (band[1] if key in self.memory.streaks else band[0])
+
+    def below(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
+        if value is None:
+            return False
+        return value < (band[1] if key in self.memory.streaks else band[0])
+
+    def add(self, name: str, summary: str, evidence: list[Evidence], subject: str = "", severity: int = 1) -> None:
+        self.found.append(Situation(name=name, subject=subject, summary=summary, severity=severity, evidence=evidence, specialists=list(SPECIALISTS[name])))
+
+    def q(self, name: str) -> str:
+        return self.snap.query(name)
+
+    def run(self) -> list[Situation]:
+        for check in (self.rld, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash):
+            check()
+        if not any(s.severity for s in self.found):
+            self.spare()
+        for s in self.found:
+            s.streak = self.memory.streaks.get(s.key, 0) + 1
+        return self.found
+
+    def rld(self) -> None:
+        if self.config.roles.relay_decode is None:
+            return
+        load = f.role_load(self.snap, self.config, RoleName.relay_decode)
+        cap = get_knob(self.knobs, "handoff.relay_cap_tokens")
+        intent = self.config.handoff.relay_cap_tokens
+        if load is not None and load < RLD_RECOVERED and cap < intent:
+            self.add(RLD_OVERLOAD, f"relay decoders {load:.0%} busy again; the relay cap returns towards the configured {intent}", [
+                Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_RECOVERED),
+            ], subject="recovered", severity=0)
+            return
+        if self.past(RLD_OVERLOAD, load, RLD_LOAD):
+            dep = f.deployment(RoleName.relay_decode)
+            self.add(RLD_OVERLOAD, f"relay decoders {load:.0%} busy", [
+                Evidence(query=self.q("ongoing_by_deployment"), value=self.snap.ongoing_by_deployment.get(dep), note=f"{dep} requests in progress"),
+                Evidence(query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"),
+                Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_LOAD[0]),
+                Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
+            ], severity=2)
+
+    def hit(self) -> None:
+        gap = f.hit_gap(self.snap)
+        if self.past(MD_HIT_BEHIND, gap, HIT_GAP):
+            self.add(MD_HIT_BEHIND, f"MD prefix hit trails P's by {gap:.0%}", [
+                Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("prefill"), note="prefill"),
+                Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("main_decode"), note="main_decode"),
+                Evidence(query="P hit - MD hit", value=gap, threshold=HIT_GAP[0]),
+                Evidence(query=self.q("singular_rate"), value=self.snap.singular_rate, note="singular requests/s"),
+            ])
+
+    def wan(self) -> None:
+        links = f.wan_links(self.snap, self.config)
+        degraded = False
+        for link in links:
+            key = f"{WAN_DEGRADATION}:{link.link}"
+            slow = self.past(key, link.slowdown, WAN_SLOWDOWN)
+            failing = self.past(key, link.failure_ratio, WAN_FAILURES)
+            if not (slow or failing):
+                continue
+            degraded = True
+            self.add(WAN_DEGRADATION, f"{link.link}: pulls {link.slowdown:.1f}x slower than the link model, {link.failure_ratio:.0%} failing", [
+                Evidence(query=self.q("kv_seconds_mean_by_link"), value=link.observed_s, note=f"{link.link} mean pull seconds"),
+                Evidence(query="link model: rtt + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds"),
+                Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0]),
+                Evidence(query="failures / pulls", value=link.failure_ratio, threshold=WAN_FAILURES[0]),
+                Evidence(query=self.q("gap_p99"), value=self.snap.gap_p99, note="worst-gap p99 seconds"),
+            ], subject=link.link, severity=2)
+        if degraded or not links:
+            return
+        intent = self.config.routing.max_wan_transfer_ms
+        now_ms = get_knob(self.knobs, "routing.max_wan_transfer_ms")
+        cap_raised = get_knob(self.knobs, "handoff.relay_cap_tokens") > self.config.handoff.relay_cap_tokens
+        healthy = max(link.slowdown for link in links) < RECOVERED_SLOWDOWN
+        if healthy and (abs(now_ms - intent) > 1e-9 or cap_raised):
+            worst = max(links, key=lambda link: link.slowdown)
+            self.add(WAN_DEGRADATION, f"WAN healthy again ({worst.slowdown:.1f}x model); knobs return to the configured intent", [
+                Evidence(query=self.q("kv_seconds_mean_by_link"), value=worst.observed_s, note=f"{worst.link} mean pull seconds"),
+                Evidence(query="observed / expected", value=worst.slowdown, threshold=RECOVERED_SLOWDOWN),
+            ], subject="recovered", severity=0)
+
+    def valley(self) -> None:
+        share = f.valley_share(self.snap)
+        gap = self.snap.gap_p99_by_pipeline.get(f.P_MD)
+        ratio = gap * 1000 / self.config.slo.max_gap_ms if gap is not None else None
+        if self.past(BATHTUB_VALLEY, share, VALLEY_SHARE) and self.past(BATHTUB_VALLEY, ratio, VALLEY_GAP):
+            self.add(BATHTUB_VALLEY, f"{share:.0%} of requests sit in the hit-rate valley {f.VALLEY[0]:.0%}-{f.VALLEY[1]:.0%} and P-MD gaps are long", [
+                Evidence(query=self.q("md_hit_buckets"), value=share, threshold=VALLEY_SHARE[0], note="share of MD hits in the valley"),
+                Evidence(query=self.q("gap_p99_by_pipeline"), value=gap, threshold=self.config.slo.max_gap_ms / 1000, note="P-MD worst-gap p99 seconds"),
+            ], severity=2)
+
+    def slo(self) -> None:
+        slo = self.config.slo
+        for name, value, target, label in (
+            (TTFT_BREACH, self.snap.ttft_p, slo.ttft_ms, "ttft_p"),
+            (TPOT_BREACH, self.snap.tpot_p, slo.tpot_ms, "tpot_p"),
+        ):
+            ratio = value * 1000 / target if value is not None else None
+            if self.past(name, ratio, SLO_RATIO):
+                by = label.replace("_p", "_p_by_pipeline")
+                per = getattr(self.snap, by)
+                self.add(name, f"{label[:4].upper()} p{slo.percentile:g} {value * 1000:.0f} ms over the {target:.0f} ms target", [
+                    Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
+                    *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
+                    Evidence(query=self.q("slo_violation_rate_by_slo"), value=self.snap.slo_violation_rate_by_slo.get(label[:4]), note="violations/s"),
+                ], severity=2)
+
+    def leases(self) -> None:
+        live, slope = self.snap.leases_live, self.snap.leases_slope
+        if live is None:
+            return
+        explained = self.snap.request_rate * self.config.kv.lease_timeout_s * 1.5 + LEASE_SLACK
+        excess = live / explained
+        growing = slope is not None and slope > 0
+        active = LEASE_LEAK in self.memory.streaks
+        if self.past(LEASE_LEAK, excess, LEASE_EXCESS) and (growing or active):
+            self.add(LEASE_LEAK, f"{live:.0f} KV leases live, traffic explains at most {explained:.0f}", [
+                Evidence(query=self.q("leases_live"), value=live, threshold=explained),
+                Evidence(query=self.q("leases_slope"), value=slope, note="leases per second"),
+                Evidence(query=self.q("request_rate_by_pipeline"), value=self.snap.request_rate, note="requests/s"),
+            ], severity=1)
+
+    def crash(self) -> None:
+        for role in self.config.roles.present():
+            dep = f.deployment(role)
+            healthy = self.snap.replicas_healthy_by_deployment.get(dep)
+            target = self.snap.replicas_target_by_deployment.get(dep)
+            fails = self.snap.health_check_failures_by_deployment.get(dep, 0.0)
+            key = f"{REPLICA_CRASH}:{dep}"
+            short = healthy is not None and target is not None and healthy < target
+            scaled_at = self.memory.last_change.get(replica_target(role))
+            starting = scaled_at is not None and self.now - scaled_at < self.agents.verify_after_s
+            if fails > 0 or (short and (not starting or key in self.memory.streaks)):
+                self.add(REPLICA_CRASH, f"{dep}: {healthy or 0:.0f} of {target or 0:.0f} replicas healthy, {fails:.0f} failed health checks", [
+                    Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, threshold=target, note=dep),
+                    Evidence(query=self.q("replicas_target_by_deployment"), value=target, note=dep),
+                    Evidence(query=self.q("health_check_failures_by_deployment"), value=fails, note=dep),
+                ], subject=dep, severity=2)
+
+    def spare(self) -> None:
+        score = f.slo_score(f.slo_figures(self.snap, self.config.slo))
+        if self.snap.request_rate <= 0 or not self.below(OVER_PROVISIONED, score, OVER_SCORE):
+            return
+        idle = []
+        for role in self.config.roles.present():
+            load = f.role_load(self.snap, self.config, role)
+            healthy = self.snap.replicas_healthy_by_deployment.get(f.deployment(role), 0)
+            if load is not None and load < IDLE_LOAD and healthy > 1:
+                idle.append((role, load))
+        if idle:
+            self.add(OVER_PROVISIONED, f"SLO score {score:.2f}; idle roles: {', '.join(f'{r.value} {load:.0%}' for r, load in idle)}", [
+                Evidence(query="max(figure / target) over ttft, tpot, gap", value=score, threshold=OVER_SCORE[0]),
+                *(Evidence(query=self.q("ongoing_by_deployment"), value=load, threshold=IDLE_LOAD, note=f"{r.value} load") for r, load in idle),
+            ], severity=0)
+
+
+def diagnose(snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float) -> tuple[list[Situation], dict[str, int]]:
+    """The situations now, and the streaks to remember (inactive situations drop out)."""
+    found = _Diagnosis(snap, config, agents, knobs, memory, now).run()
+    return found, {s.key: s.streak for s in found}

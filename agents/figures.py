@@ -1,0 +1,157 @@
+"""Figures derived from a Snapshot and the config: SLO score, loads, WAN slowdown, valley share.
+
+Pure functions; diagnose, the specialists and verify all read the cluster
+through these, so they agree on what "RLD load" or "WAN slowdown" means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from agents.observe import Snapshot
+from app.config import PDDConfig, RoleName, SLOConfig
+from app.policy import Pipeline
+from app.roles import DEPLOYMENT_NAMES
+
+#: The middle of the hit-rate range where PDD's benefit dips (the bathtub's
+#: valley, PDD.md mechanism 6): neither end's advantage applies there.
+VALLEY = (0.2, 0.8)
+
+
+def slo_figures(snap: Snapshot, slo: SLOConfig) -> dict[str, float]:
+    """Each objective's figure at the SLO percentile divided by its target (1.0 = at target)."""
+    out = {}
+    if snap.ttft_p is not None:
+        out["ttft"] = snap.ttft_p * 1000 / slo.ttft_ms
+    if snap.tpot_p is not None:
+        out["tpot"] = snap.tpot_p * 1000 / slo.tpot_ms
+    if snap.gap_p is not None:
+        out["gap"] = snap.gap_p * 1000 / slo.max_gap_ms
+    return out
+
+
+def slo_score(figures: dict[str, float]) -> float | None:
+    """The worst objective (None without traffic)."""
+    return max(figures.values()) if figures else None
+
+
+def deployment(role: RoleName) -> str:
+    return DEPLOYMENT_NAMES[role]
+
+
+def role_load(snap: Snapshot, config: PDDConfig, role: RoleName) -> float | None:
+    """Requests in progress per batch slot across a role's healthy replicas (0..1+)."""
+    rc = config.roles.get(role)
+    name = deployment(role)
+    healthy = snap.replicas_healthy_by_deployment.get(name)
+    ongoing = snap.ongoing_by_deployment.get(name)
+    if rc is None or not healthy or ongoing is None:
+        return None
+    return ongoing / (healthy * rc.engine.max_num_seqs)
+
+
+def hit_cdf(buckets: dict[str, float], x: float) -> float | None:
+    """Share of observations at or below `x`, interpolated inside a bucket."""
+    points = sorted((float(le), v) for le, v in buckets.items())
+    if not points or points[-1][1] <= 0:
+        return None
+    total = points[-1][1]
+    prev_le, prev_v = 0.0, 0.0
+    for le, v in points:
+        if x <= le:
+            if math.isinf(le) or le == prev_le:
+                return v / total
+            return (prev_v + (v - prev_v) * (x - prev_le) / (le - prev_le)) / total
+        prev_le, prev_v = le, v
+    return 1.0
+
+
+def valley_share(snap: Snapshot) -> float | None:
+    """Share of MD requests whose prefix hit sits in the valley band."""
+    lo = hit_cdf(snap.md_hit_buckets, VALLEY[0])
+    hi = hit_cdf(snap.md_hit_buckets, VALLEY[1])
+    if lo is None or hi is None:
+        return None
+    return max(0.0, hi - lo)
+
+
+def singular_share(snap: Snapshot) -> float | None:
+    total = snap.request_rate
+    if snap.singular_rate is None or total <= 0:
+        return None
+    return snap.singular_rate / total
+
+
+def hit_gap(snap: Snapshot) -> float | None:
+    """How far MD's prefix hit trails P's (cached/prompt tokens)."""
+    p = snap.prefix_hit_by_role.get(RoleName.prefill.value)
+    md = snap.prefix_hit_by_role.get(RoleName.main_decode.value)
+    if p is None or md is None:
+        return None
+    return p - md
+
+
+@dataclass(frozen=True)
+class LinkHealth:
+    link: str
+    """The link label as exported (e.g. `dc-a->dc-b`)."""
+    observed_s: float
+    """Mean seconds per pull over the window."""
+    expected_s: float
+    """What the configured link model predicts for pulls of the same mean size."""
+    p90_s: float | None
+    failure_ratio: float
+
+    @property
+    def slowdown(self) -> float:
+        return self.observed_s / self.expected_s if self.expected_s > 0 else 1.0
+
+
+def _datacenters_in(label: str, config: PDDConfig) -> list[str]:
+    names = {g.datacenter for g in config.node_groups.values()}
+    # longest first, so `dc-a` inside `dc-ab` is not mistaken for it
+    found: list[str] = []
+    rest = label
+    for name in sorted(names, key=len, reverse=True):
+        if name in rest:
+            found.append(name)
+            rest = rest.replace(name, "\0")
+    return found
+
+
+def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
+    """Health of every cross-datacenter link that carried KV pulls in the window."""
+    out = []
+    for label, mean_s in sorted(snap.kv_seconds_mean_by_link.items()):
+        dcs = _datacenters_in(label, config)
+        if len(dcs) != 2:
+            continue
+        try:
+            link = config.link(*dcs)
+        except KeyError:
+            continue
+        per_pull = snap.kv_bytes_per_transfer_by_link.get(label, 0.0)
+        expected = link.rtt_ms / 1000 + per_pull * 8 / (link.bandwidth_mbps * 1e6)
+        pulls = snap.kv_transfer_rate_by_link.get(label, 0.0)
+        fails = snap.kv_failure_rate_by_link.get(label, 0.0)
+        out.append(
+            LinkHealth(
+                link=label,
+                observed_s=mean_s,
+                expected_s=expected,
+                p90_s=snap.kv_seconds_p90_by_link.get(label),
+                failure_ratio=fails / pulls if pulls > 0 else (1.0 if fails > 0 else 0.0),
+            )
+        )
+    return out
+
+
+def worst_tpot_pipeline(snap: Snapshot) -> str | None:
+    if not snap.tpot_p_by_pipeline:
+        return None
+    return max(snap.tpot_p_by_pipeline, key=lambda p: snap.tpot_p_by_pipeline[p])
+
+
+P_MD = Pipeline.p_md.value
+P_RLD_MD = Pipeline.p_rld_md.value

@@ -1,0 +1,114 @@
+"""Guard: the last check before anything moves. Pure.
+
+A proposal is accepted only when:
+- its target is tunable (a numeric knob needs bounds in `agents.bounds`;
+  replica counts are bounded by 1..max_replicas), and its old value is still
+  the live one (otherwise it is stale);
+- its situation has lasted `confirm_ticks` ticks (hysteresis);
+- no earlier change is still awaiting verification (one change unit at a time,
+  so a regression is attributable and its rollback is exact);
+- the target is out of its cooldown, not awaiting a person's approval, and
+  not blocked by a recent rollback in the same direction;
+- it moves at most `max_step` and stays within bounds (the value is clamped,
+  and a proposal that clamps to no change is refused);
+- all accepted knob changes together still form a valid LiveKnobs.
+Two proposals for one target in a tick: the more severe one wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
+from agents.memory import Memory
+from agents.proposal import Decision, Proposal
+from app.config import AgentsConfig, LiveKnobs, PDDConfig
+
+
+def current_value(target: str, knobs: LiveKnobs, replicas: dict[str, int]) -> Any:
+    if is_replicas(target):
+        return replicas.get(role_of(target).value)
+    return get_knob(knobs, target)
+
+
+def direction(change: Change) -> int:
+    if isinstance(change.new, (int, float)) and not isinstance(change.new, bool) and change.old is not None:
+        return (change.new > change.old) - (change.new < change.old)
+    return 0
+
+
+def cooling(target: str, memory: Memory, agents: AgentsConfig, now: float) -> float:
+    """Seconds of cooldown left on a target (0 when free)."""
+    last = max(memory.last_change.get(target, float("-inf")), memory.noted.get(target, float("-inf")))
+    return max(0.0, last + agents.cooldown_s - now)
+
+
+def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float) -> Decision:
+    target = p.change.target
+    kind = kind_of(target)
+
+    def verdict(status: str, reason: str = "", change: Change | None = None) -> Decision:
+        proposal = p if change is None else p.model_copy(update={"change": change})
+        return Decision(proposal=proposal, status=status, reason=reason)
+
+    if p.streak < agents.confirm_ticks:
+        return verdict("held", f"confirming: situation seen {p.streak} of {agents.confirm_ticks} ticks")
+    left = cooling(target, memory, agents, now)
+    if kind == "notice":
+        return verdict("held", f"filed {agents.cooldown_s - left:.0f} s ago") if left else verdict("accepted")
+    bounds = knob_bounds(agents, config, target)
+    if kind == "choice":
+        if p.change.new not in CHOICE_KNOBS[target]:
+            return verdict("rejected", f"{p.change.new!r} is not one of {CHOICE_KNOBS[target]}")
+    elif bounds is None:
+        return verdict("rejected", f"{target} has no bounds configured (agents.bounds), so it is not tunable")
+    live = current_value(target, knobs, replicas)
+    if live != p.change.old:
+        return verdict("rejected", f"stale: {target} is {live!r} now, not {p.change.old!r}")
+    if memory.units:
+        unit = next(iter(memory.units.values()))
+        return verdict("held", f"awaiting verification of {unit.id} (due at {unit.verify_at:.0f})")
+    if target in memory.pending:
+        return verdict("held", f"a proposal from {memory.pending[target]} awaits approval")
+    if left:
+        return verdict("held", f"cooldown: {left:.0f} s left")
+    block = memory.blocked.get(target)
+    if block is not None and block.until > now and block.direction in (0, direction(p.change)):
+        return verdict("rejected", f"this move was rolled back; blocked for {block.until - now:.0f} s")
+    if kind == "choice":
+        if p.change.new == p.change.old:
+            return verdict("rejected", "no change")
+        return verdict("accepted")
+    new = limit(target, p.change.old, float(p.change.new), bounds)
+    if new == p.change.old:
+        return verdict("rejected", "no change within bounds and step")
+    change = Change(target=target, old=p.change.old, new=new)
+    note = "" if new == p.change.new else f"clamped from {p.change.new!r} to bounds/step"
+    return verdict("accepted", note, change)
+
+
+def guard(proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float) -> list[Decision]:
+    """A decision for every proposal, most severe first."""
+    decisions: list[Decision] = []
+    taken: dict[str, Proposal] = {}
+    accepted_knobs: dict[str, Any] = {}
+    for p in sorted(proposals, key=lambda p: -p.severity):
+        target = p.change.target
+        if target in taken:
+            decisions.append(Decision(proposal=p, status="rejected", reason=f"{taken[target].specialist} already proposed a change to {target} ({taken[target].situation})"))
+            continue
+        taken[target] = p
+        d = _judge(p, config, agents, knobs, replicas, memory, now)
+        if d.status == "accepted" and kind_of(target) in ("knob", "choice"):
+            trial = {**accepted_knobs, target: d.proposal.change.new}
+            try:
+                with_knobs(knobs, trial)
+            except ValidationError as err:
+                why = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+                d = Decision(proposal=d.proposal, status="rejected", reason=f"invalid knobs: {why}")
+            else:
+                accepted_knobs = trial
+        decisions.append(d)
+    return decisions

@@ -1,0 +1,189 @@
+"""PDD on real engines: every pipeline and handoff mode gives the colocated tokens.
+
+One app: 1 P + 1 RLD in dc-a, 2 MD in dc-b, a 20 Mbit/s WAN (a 2400-token
+prompt's KV takes ~4 s to cross, so relays really relay).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import openai
+import pytest
+
+from tests.conftest import local_args
+from tests.integration.conftest import completion, deploy_app
+
+LONG = 2400
+OUT = 800
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance):
+    args = local_args()
+    args["roles"]["main_decode"]["replicas"] = 2
+    for link in args["links"]:
+        if link["between"] == ["dc-a", "dc-b"]:
+            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    deployed = deploy_app(serve_instance, "pdd", args)
+    yield deployed
+    deployed.delete()
+
+
+@pytest.fixture
+def knobs(app):
+    """Set live knobs for one test; the defaults come back after it."""
+    defaults = {"routing": copy.deepcopy(app.args["routing"]), "handoff": copy.deepcopy(app.args["handoff"])}
+
+    def apply(**sections):
+        conf = copy.deepcopy(defaults)
+        for section, values in sections.items():
+            conf[section].update(values)
+        app.set_user_config("Conductor", conf)
+
+    yield apply
+    app.set_user_config("Conductor", defaults)
+
+
+_seed = iter(range(10_000))
+
+
+def fresh(n: int) -> list[int]:
+    """A prompt no engine has seen."""
+    rng = random.Random(1000 + next(_seed))
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
+    """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = app.handle("Links").counters.remote().result()["dc-a->dc-b"]["bytes_down"]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the WAN never went quiet")
+
+
+def wait_for_md_report(app, request_id: str, timeout_s: float = 60) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        journey = app.journey(request_id)
+        if "main_decode" in journey["hit_tokens"]:
+            return journey
+        time.sleep(0.2)
+    raise TimeoutError(f"no MD report for {request_id}")
+
+
+def stream_text(app, prompt, max_tokens) -> str:
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    chunks = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def assert_relayed_then_handed_over(journey, max_tokens):
+    assert journey["pipeline"] == "P-RLD-MD", journey["decision"]
+    roles = [role for role, _ in journey["token_sources"]]
+    assert roles == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    counts = dict((role, n) for role, n in journey["token_sources"])
+    assert counts["prefill"] == 1
+    handoff = journey["handoff"]
+    assert handoff["point"] == 1 + counts["relay_decode"]  # RLD's last token is the handoff point
+    assert sum(counts.values()) == max_tokens == journey["completion_tokens"]
+    links = {t["link"]: t for t in journey["transfers"]}
+    assert links["dc-a->dc-a"]["ok"] and links["dc-a->dc-b"]["ok"]
+    return handoff
+
+
+@pytest.mark.parametrize("mode", ["one_shot", "catch_up", "auto"])
+def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
+    # long enough that the relay is still going when MD holds the KV (~4 s)
+    knobs(handoff={"mode": mode, "catch_up_threshold_tokens": 32, "relay_cap_tokens": 2048})
+    prompt_a, prompt_b = fresh(LONG), fresh(LONG)
+    text_a, journey = completion(app, prompt_a, OUT)
+    handoff = assert_relayed_then_handed_over(journey, OUT)
+    streamed_b = stream_text(app, prompt_b, OUT)
+    assert text_a == completion(app, prompt_a, OUT, mode="colocated")[0]
+    assert streamed_b == completion(app, prompt_b, OUT, mode="colocated")[0]
+    expected_mode = "catch_up" if mode == "auto" else mode  # auto: catch-up while RLD is idle
+    assert handoff["mode"] == expected_mode
+    if expected_mode == "one_shot":
+        assert handoff["steps"] == 1 and handoff["final_step_tokens"] == handoff["point"] - 1
+    elif handoff["relay_tokens"] > 2 * 32:
+        assert handoff["steps"] >= 2 and handoff["final_step_tokens"] < handoff["relay_tokens"]
+    assert handoff["latency_ms"] is not None
+
+
+def test_high_hit_turn_goes_straight_to_md(app):
+    turn1 = fresh(LONG)
+    _, j1 = completion(app, turn1, 64)
+    if j1["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~4 s)
+        wait_wan_idle(app)
+    turn2 = turn1 + fresh(60)
+    text, journey = completion(app, turn2, 64)
+    assert journey["pipeline"] == "P-MD"
+    assert [role for role, _ in journey["token_sources"]] == ["prefill", "main_decode"]
+    wan = [t for t in journey["transfers"] if t["link"] == "dc-a->dc-b"]
+    assert len(wan) == 1 and wan[0]["blocks"] <= 4  # only what the new turn added
+    assert text == completion(app, turn2, 64, mode="colocated")[0]
+
+
+def test_singular_request_finishes_on_the_relay(app, knobs):
+    knobs(routing={"singular": {"enabled": True, "min_prompt_tokens": 2000, "max_hit_rate": 0.2, "max_output_tokens": 8}})
+    prompt = fresh(LONG)
+    text, journey = completion(app, prompt, 6)
+    assert journey["pipeline"] == "P-RLD"
+    assert journey["token_sources"] == [["prefill", 1], ["relay_decode", 5]]
+    assert all(t["to_role"] != "main_decode" for t in journey["transfers"])
+    assert text == completion(app, prompt, 6, mode="colocated")[0]
+
+
+def test_relay_cap_stops_the_relay_and_md_resumes(app, knobs):
+    knobs(handoff={"relay_cap_tokens": 24, "min_relay_cap_tokens": 24, "mode": "one_shot"})
+    prompt = fresh(LONG)
+    text, journey = completion(app, prompt, 200)
+    assert journey["decision"].get("relay_capped_at") == 24
+    assert journey["token_sources"][:2] == [["prefill", 1], ["relay_decode", 24]]
+    assert text == completion(app, prompt, 200, mode="colocated")[0]
+
+
+def test_knob_changes_are_live_without_engine_restarts(app, knobs):
+    before = {d: app.handle(d).describe.remote().result().replica_id for d in ("Prefill", "RelayDecode")}
+    knobs(routing={"max_wan_transfer_ms": 100_000})
+    _, journey = completion(app, fresh(LONG), 8)
+    assert journey["pipeline"] == "P-MD"  # everything is "cheap enough" now
+    after = {d: app.handle(d).describe.remote().result().replica_id for d in ("Prefill", "RelayDecode")}
+    assert after == before
+
+
+def test_conversations_stick_to_one_md_and_md_keeps_up_with_p(app):
+    """Affinity across 2 MD replicas, and MD's hit rate tracks P's turn after turn."""
+    conversations = {c: fresh(800 + 300 * c) for c in range(4)}
+    md_of: dict[int, set[str]] = {c: set() for c in conversations}
+    p_hit = md_hit = prompt_total = 0
+    for turn in range(4):
+        for c in conversations:
+            prompt = conversations[c]
+            _, journey = completion(app, prompt, 24)
+            assert journey["pipeline"] in ("P-MD", "P-RLD-MD")
+            if "main_decode" not in journey["hit_tokens"]:  # the relay finished; MD's warm-up reports later
+                journey = wait_for_md_report(app, journey["request_id"])
+            if turn > 0:
+                md_of[c].add(journey["replicas"]["main_decode"])
+                p_hit += journey["hit_tokens"]["prefill"]
+                md_hit += journey["hit_tokens"]["main_decode"]
+                prompt_total += len(prompt)
+            conversations[c] = prompt + fresh(150)
+    assert all(len(replicas) == 1 for replicas in md_of.values()), md_of
+    assert len(set().union(*md_of.values())) == 2, "both MD replicas serve conversations"
+    p_rate, md_rate = p_hit / prompt_total, md_hit / prompt_total
+    assert p_rate > 0.5
+    assert md_rate >= 0.95 * p_rate, (md_rate, p_rate)

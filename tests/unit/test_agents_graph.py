@@ -1,0 +1,243 @@
+"""The tick graph end to end without a cluster: twin ticks, modes, approval, audit, LLM routing (fakes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from langchain_core.language_models.fake_chat_models import FakeMessagesListChatModel
+from langchain_core.messages import AIMessage
+from typer.testing import CliRunner
+
+from agents.actuate import DryRunActuator
+from agents.cli import agents_cli
+from agents.diagnose import Evidence
+from agents.entries import FileEntries, read_entry
+from agents.knobs import Change
+from agents.observe import StaticSource
+from agents.proposal import Proposal
+from agents.router import LLMRouter, RuleRouter, tool_name
+from agents.runner import Swarm
+from agents.twin import TwinAgent, run_tick
+from app.config import AgentMode
+from tests.integration.agents_fixtures import healthy_snapshot, pdd_args, pdd_config
+
+T0 = 10_000.0
+REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
+TTFT_BREACH = dict(ttft_p=4.75, ttft_p_by_pipeline={"P-MD": 4.75, "P-RLD-MD": 4.75})
+RLD_OVERLOAD = dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 60.0, "MainDecode": 80.0})
+
+
+class FakeToolChatModel(FakeMessagesListChatModel):
+    """A fake chat model that 'binds' tools by ignoring them and replays scripted replies."""
+
+    def bind_tools(self, tools, **kwargs):
+        return self
+
+
+class FailingChatModel(FakeToolChatModel):
+    def _generate(self, *args, **kwargs):
+        raise ConnectionError("endpoint down")
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def swarm(tmp_path: Path, mode: str, source: StaticSource, actuator: DryRunActuator, clock: Clock, router=None, **agents):
+    config = pdd_config(mode=mode, audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), **agents)
+    return Swarm.open(config, source=source, actuator=actuator, router=router or RuleRouter(), clock=clock)
+
+
+def entries(tmp_path: Path) -> list[tuple[dict, str]]:
+    return [read_entry(p) for p in sorted((tmp_path / "actions").glob("*.md"))]
+
+
+def test_twin_tick_acts_verifies_and_rolls_back_a_regression():
+    agent = TwinAgent(pdd_config())
+    first = agent.tick(healthy_snapshot(T0, **TTFT_BREACH))
+    assert [c.describe() for c in first.changes] == ["replicas.prefill: 1 -> 2"]
+    assert first.replicas["prefill"] == 2
+    waiting = agent.tick(healthy_snapshot(T0 + 10, **TTFT_BREACH))
+    assert waiting.changes == [] and any("awaiting verification" in d.reason for d in waiting.decisions)
+    worse = agent.tick(healthy_snapshot(T0 + 31, ttft_p=9.0, ttft_p_by_pipeline={"P-MD": 9.0, "P-RLD-MD": 9.0}))
+    assert [c.describe() for c in worse.rollbacks] == ["replicas.prefill: 2 -> 1"]
+    assert worse.replicas["prefill"] == 1
+    assert worse.memory.blocked["replicas.prefill"].direction == 1
+    again = agent.tick(healthy_snapshot(T0 + 200, **TTFT_BREACH))
+    assert again.changes == [] and any(d.status == "rejected" and "rolled back" in d.reason for d in again.decisions)
+
+
+def test_twin_tick_keeps_an_improvement():
+    first = run_tick(pdd_config(), healthy_snapshot(T0, **TTFT_BREACH), knobs=pdd_config().live_knobs(), replicas=REPLICAS)
+    better = run_tick(pdd_config(), healthy_snapshot(T0 + 31), knobs=first.knobs, replicas=first.replicas, memory=first.memory)
+    assert [v.outcome for v in better.verdicts] == ["kept"]
+    assert better.replicas["prefill"] == 2 and not better.memory.units
+
+
+def test_observe_mode_files_once_and_changes_nothing(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    source = StaticSource(healthy_snapshot(T0, **TTFT_BREACH))
+    with swarm(tmp_path, "observe", source, actuator, clock) as s:
+        state = s.tick()
+        clock.t = source.current.at = T0 + 10
+        state2 = s.tick()
+        history = s.history()
+    assert actuator.calls == []
+    assert [d["status"] for d in state["decisions"]] == ["accepted"]
+    assert [d["status"] for d in state2["decisions"]] == ["held"]
+    [(front, body)] = entries(tmp_path)
+    assert front["outcome"].startswith("proposed (observe mode")
+    assert front["situation"] == "ttft_slo_breach" and front["action"] == {"target": "replicas.prefill", "from": 1, "to": 2}
+    assert front["rollback"] == {"target": "replicas.prefill", "to": 1}
+    assert any(e["query"] == "ttft_p" and e["value"] == 4.75 for e in front["evidence"])
+    assert "../ttft_slo_breach.md" in body
+    assert [h["status"] for h in history] == ["done", "done"]
+
+
+def test_advise_mode_waits_then_applies_on_approval(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    source = StaticSource(healthy_snapshot(T0, **RLD_OVERLOAD))
+    with swarm(tmp_path, "advise", source, actuator, clock) as s:
+        state = s.tick()
+        assert state["__interrupt__"]
+        [waiting] = s.pending()
+        assert waiting["tick"] == state["tick"]
+        assert {p["change"]["target"] for p in waiting["proposals"]} == {"handoff.relay_cap_tokens", "replicas.relay_decode"}
+        assert actuator.calls == []
+        # the next tick does not propose the same targets again while they await approval
+        clock.t = source.current.at = T0 + 5
+        nxt = s.tick()
+        assert {d["status"] for d in nxt["decisions"]} == {"held"}
+        clock.t = T0 + 20
+        done = s.decide(state["tick"], approved=True, by="alice", note="looks right")
+        assert s.pending() == []
+    assert [c[0] for c in actuator.calls] == ["set_knobs", "scale"]
+    assert actuator.knobs.handoff.relay_cap_tokens == 256 and actuator.replicas["relay_decode"] == 2
+    assert {c["target"] for c in done["applied"]} == {"handoff.relay_cap_tokens", "replicas.relay_decode"}
+    outcomes = sorted(front["outcome"] for front, _ in entries(tmp_path))
+    assert all("approved by alice" in o for o in outcomes) and len(outcomes) == 2
+
+
+def test_advise_rejection_is_recorded_and_throttled(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    source = StaticSource(healthy_snapshot(T0, **TTFT_BREACH))
+    with swarm(tmp_path, "advise", source, actuator, clock) as s:
+        tick = s.tick()["tick"]
+        s.decide(tick, approved=False, by="bob", note="peak hour")
+        clock.t = source.current.at = T0 + 10
+        again = s.tick()
+    assert actuator.calls == []
+    [(front, _)] = entries(tmp_path)
+    assert front["outcome"] == "rejected by bob: peak hour"
+    assert [d["status"] for d in again["decisions"]] == ["held"]
+
+
+def test_approval_of_a_stale_proposal_changes_nothing(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    with swarm(tmp_path, "advise", StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator, clock) as s:
+        tick = s.tick()["tick"]
+        actuator.replicas["prefill"] = 3  # someone scaled by hand meanwhile
+        s.decide(tick, approved=True, by="carol")
+    assert actuator.calls == []
+    [(front, _)] = entries(tmp_path)
+    assert "not applied: stale" in front["outcome"]
+
+
+def test_act_mode_entry_follows_the_change_to_its_verdict(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    source = StaticSource(healthy_snapshot(T0, **TTFT_BREACH))
+    with swarm(tmp_path, "act", source, actuator, clock) as s:
+        s.tick()
+        clock.t = T0 + 31
+        source.current = healthy_snapshot(T0 + 31, ttft_p=9.0)
+        state = s.tick()
+    assert [v["outcome"] for v in state["verdicts"]] == ["rolled_back"]
+    assert actuator.replicas["prefill"] == 1
+    fronts = [front for front, _ in entries(tmp_path)]
+    original = next(f for f in fronts if "rollback_of" not in f)
+    rollback = next(f for f in fronts if "rollback_of" in f)
+    assert original["outcome"].startswith("rolled back: SLO score")
+    assert [o["outcome"].split(";")[0] for o in original["outcomes"]][:2] == ["applying", "applied"]
+    assert rollback["action"] == {"target": "replicas.prefill", "from": 2, "to": 1}
+
+
+def test_observe_failure_is_recorded_not_raised(tmp_path):
+    config = pdd_config()
+    with swarm(tmp_path, "act", StaticSource(None), DryRunActuator(config.live_knobs(), REPLICAS), Clock(T0)) as s:
+        state = s.tick()
+        [row] = s.history()
+    assert "observe failed" in state["error"] and row["status"] == "error"
+
+
+def test_llm_routes_and_explains_but_numbers_stay_the_same(tmp_path):
+    llm = FakeToolChatModel(responses=[
+        AIMessage(content="", tool_calls=[{"name": tool_name("capacity"), "args": {"reason": "relay capacity first"}, "id": "c1"}]),
+        AIMessage(content="RLD is saturated; the relay cap was lowered and a relay replica added."),
+    ])
+    config = pdd_config()
+    snap = healthy_snapshot(T0, **RLD_OVERLOAD)
+    llm_actuator, rule_actuator = DryRunActuator(config.live_knobs(), REPLICAS), DryRunActuator(config.live_knobs(), REPLICAS)
+    with swarm(tmp_path / "llm", "act", StaticSource(snap), llm_actuator, Clock(T0), router=LLMRouter(llm)) as s:
+        state = s.tick()
+    with swarm(tmp_path / "rules", "act", StaticSource(snap), rule_actuator, Clock(T0)) as s:
+        rule_state = s.tick()
+    assert [r["to"] for r in state["route"]][:2] == ["capacity", "handoff"]
+    assert state["route"][0]["reason"] == "llm: relay capacity first"
+    assert [r["to"] for r in rule_state["route"]][:2] == ["handoff", "capacity"]
+    assert llm_actuator.calls == rule_actuator.calls
+    assert state["explanation"].startswith("RLD is saturated")
+    assert all("RLD is saturated" in body for _, body in entries(tmp_path / "llm"))
+
+
+def test_unusable_llm_answers_fall_back_to_rules(tmp_path):
+    config = pdd_config()
+    snap = healthy_snapshot(T0, **RLD_OVERLOAD)
+    for model in (FakeToolChatModel(responses=[AIMessage(content="no idea")]), FailingChatModel(responses=[AIMessage(content="")])):
+        actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+        with swarm(tmp_path / type(model).__name__, "act", StaticSource(snap), actuator, Clock(T0), router=LLMRouter(model)) as s:
+            state = s.tick()
+        assert state["route"][0]["to"] == "handoff" and state["route"][0]["reason"].startswith("rule:")
+        assert [c[0] for c in actuator.calls] == ["set_knobs", "scale"]
+
+
+def test_cli_pending_history_and_unknown_tick(tmp_path):
+    args = pdd_args(audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), mode="advise")
+    cfg_file = tmp_path / "serve.yaml"
+    cfg_file.write_text(yaml.safe_dump({"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": args}]}))
+    config = pdd_config(**args["agents"])
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+        tick = s.tick()["tick"]
+    runner = CliRunner()
+    out = runner.invoke(agents_cli, ["pending", "--config", str(cfg_file)])
+    assert out.exit_code == 0 and tick in out.output and "replicas.prefill" in out.output
+    out = runner.invoke(agents_cli, ["history", "--config", str(cfg_file)])
+    assert out.exit_code == 0 and "awaiting" in out.output
+    out = runner.invoke(agents_cli, ["approve", "tick-nope", "--config", str(cfg_file)])
+    assert out.exit_code == 1 and "no proposal awaits approval" in out.output
+
+
+def test_entries_can_be_filed_by_hand(tmp_path):
+    sink = FileEntries(tmp_path)
+    p = Proposal(specialist="routing", situation="wan_degradation", subject="dc-a->dc-b", change=Change(target="routing.max_wan_transfer_ms", old=300.0, new=100.0),
+                 reason="slow link", expected_effect="gaps fall", evidence=[Evidence(query="rate(x[1m])", value=2.5)])
+    path = sink.file(p, tick="t1", mode=AgentMode.act.value, at=T0, outcome="applying", explanation="")
+    sink.update(path, at=T0 + 1, outcome="applied")
+    front, body = read_entry(path)
+    assert front["evidence"] == [{"query": "rate(x[1m])", "value": 2.5}]
+    assert front["outcome"] == "applied" and len(front["outcomes"]) == 2
+    assert "../wan_degradation.md" in body

@@ -1,0 +1,205 @@
+"""Diagnose and the specialists: each situation is named, and the right specialist proposes the right change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agents import figures as f
+from agents.diagnose import SITUATIONS, diagnose
+from agents.memory import Memory
+from agents.specialists import ALL, PROPOSERS
+from agents.specialists.base import View
+from app.config import LiveKnobs
+from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_config
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
+
+#: Situation -> snapshot fields that produce it (over the healthy snapshot).
+CASES = {
+    "rld_overload": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 60.0, "MainDecode": 80.0}),
+    "md_hit_behind": dict(prefix_hit_by_role={"prefill": 0.9, "main_decode": 0.6}, singular_rate=0.2),
+    "wan_degradation": dict(kv_seconds_mean_by_link={WAN: 0.6}, kv_seconds_p90_by_link={WAN: 0.95}, gap_p99=1.9),
+    "bathtub_valley": dict(md_hit_buckets={"0.2": 0.0, "0.5": 2.5, "0.8": 2.5, "0.95": 5.0, "+Inf": 5.0}, gap_p99_by_pipeline={"P-MD": 2.4, "P-RLD-MD": 0.25}),
+    "ttft_slo_breach": dict(ttft_p=4.75, ttft_p_by_pipeline={"P-MD": 4.75, "P-RLD-MD": 4.75}),
+    "tpot_slo_breach": dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.0235}),
+    "kv_lease_leak": dict(leases_live=600.0, leases_slope=2.0),
+    "replica_crash": dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 1.0}, health_check_failures_by_deployment={"MainDecode": 1.0}),
+    "over_provisioned": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 10.0}),
+}
+
+#: Situation -> (specialist, target, old, new) it must propose under the default knobs.
+EXPECTED = {
+    "rld_overload": [("handoff", "handoff.relay_cap_tokens", 512, 256), ("capacity", "replicas.relay_decode", 1, 2)],
+    "md_hit_behind": [("routing", "routing.singular.min_prompt_tokens", 4096, 8192)],
+    "wan_degradation": [("routing", "routing.max_wan_transfer_ms", 300.0, 100.0)],
+    "bathtub_valley": [("routing", "routing.min_hit_rate", None, pytest.approx(0.1))],
+    "ttft_slo_breach": [("capacity", "replicas.prefill", 1, 2)],
+    "tpot_slo_breach": [("capacity", "replicas.main_decode", 2, 3)],
+    "kv_lease_leak": [("clerk", "notice.kv_lease_leak", None, None)],
+    "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
+    "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
+}
+
+
+def situations_of(snap, knobs=None, memory=None, config=None):
+    config = config or pdd_config()
+    found, _ = diagnose(snap, config, config.agents, knobs or config.live_knobs(), memory or Memory(), snap.at)
+    return found
+
+
+def propose_all(snap, knobs=None, replicas=None, what_if=None, config=None):
+    config = config or pdd_config()
+    knobs = knobs or config.live_knobs()
+    view = View(snap=snap, config=config, agents=config.agents, knobs=knobs, replicas=dict(replicas or REPLICAS), situations=situations_of(snap, knobs, config=config), memory=Memory(), what_if=what_if)
+    out = []
+    for fn in ALL.values():
+        out += fn(View(**{**view.__dict__, "proposals": list(out)}))
+    return out
+
+
+def test_a_healthy_cluster_has_no_situation():
+    assert situations_of(healthy_snapshot()) == []
+
+
+def test_every_situation_has_a_case_and_a_runbook():
+    assert set(CASES) == set(SITUATIONS) == set(EXPECTED)
+    for name in SITUATIONS:
+        text = (ROOT / "runbooks" / f"{name}.md").read_text()
+        assert "What the agents do" in text and "What a person checks" in text
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_situation_is_named_with_evidence(name):
+    found = situations_of(healthy_snapshot(**CASES[name]))
+    assert [s.name for s in found] == [name]
+    assert all(e.query for e in found[0].evidence)
+    assert any(e.value is not None for e in found[0].evidence)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_right_specialist_proposes_right_change(name):
+    proposals = propose_all(healthy_snapshot(**CASES[name]))
+    got = [(p.specialist, p.change.target, p.change.old, p.change.new) for p in proposals]
+    for specialist, target, old, new in EXPECTED[name]:
+        match = [g for g in got if g[0] == specialist and g[1] == target]
+        assert match, f"{name}: no {specialist} proposal for {target} in {got}"
+        if not target.startswith("notice."):
+            assert match[0][2:] == (old, new)
+    assert all(p.situation == name for p in proposals)
+
+
+def test_hysteresis_enter_high_exit_low():
+    mem = Memory(streaks={"rld_overload": 3})
+    mid = healthy_snapshot(ongoing_by_deployment={"RelayDecode": 50.0})  # 0.78: between exit 0.7 and entry 0.85
+    assert situations_of(mid) == []
+    [s] = situations_of(mid, memory=mem)
+    assert s.name == "rld_overload" and s.streak == 4
+    low = healthy_snapshot(ongoing_by_deployment={"RelayDecode": 40.0})  # 0.63
+    assert situations_of(low, memory=mem) == []
+
+
+def test_wan_recovery_restores_the_intent():
+    config = pdd_config()
+    knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "routing": {**config.routing.model_dump(), "max_wan_transfer_ms": 100.0}})
+    [s] = situations_of(healthy_snapshot(), knobs=knobs)
+    assert (s.name, s.subject, s.severity) == ("wan_degradation", "recovered", 0)
+    [p] = propose_all(healthy_snapshot(), knobs=knobs)
+    assert (p.change.target, p.change.old, p.change.new) == ("routing.max_wan_transfer_ms", 100.0, 300.0)
+
+
+def test_routing_stays_away_from_an_overloaded_relay():
+    snap = healthy_snapshot(**CASES["bathtub_valley"], ongoing_by_deployment={"RelayDecode": 60.0, "MainDecode": 80.0, "Prefill": 30.0})
+    targets = {p.change.target for p in propose_all(snap)}
+    assert "routing.min_hit_rate" not in targets
+    assert "handoff.relay_cap_tokens" in targets
+
+
+def test_valley_at_edge_asks_capacity_for_cache():
+    config = pdd_config()
+    knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "routing": {**config.routing.model_dump(), "min_hit_rate": f.VALLEY[1]}})
+    targets = {p.change.target for p in propose_all(healthy_snapshot(**CASES["bathtub_valley"]), knobs=knobs)}
+    assert targets == {"replicas.main_decode"}
+
+
+def test_singular_filter_switches_off_at_its_bound():
+    config = pdd_config()
+    knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "routing": {**config.routing.model_dump(), "singular": {"min_prompt_tokens": 65536}}})
+    [p] = [p for p in propose_all(healthy_snapshot(**CASES["md_hit_behind"]), knobs=knobs) if p.specialist == "routing"]
+    assert (p.change.target, p.change.new) == ("routing.singular.enabled", False)
+
+
+def test_handoff_leaves_forced_catch_up_under_overload():
+    config = pdd_config()
+    knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "handoff": {"mode": "catch_up"}})
+    [p] = [p for p in propose_all(healthy_snapshot(**CASES["rld_overload"]), knobs=knobs) if p.specialist == "handoff"]
+    assert (p.change.target, p.change.old, p.change.new) == ("handoff.mode", "catch_up", "auto")
+
+
+def test_handoff_raises_relay_cap_for_a_long_transfer():
+    snap = healthy_snapshot(kv_seconds_mean_by_link={WAN: 3.0}, kv_seconds_p90_by_link={WAN: 20.0}, tpot_p_by_pipeline={"P-MD": 0.02, "P-RLD-MD": 0.02})
+    [p] = [p for p in propose_all(snap) if p.specialist == "handoff"]
+    assert (p.change.target, p.change.old, p.change.new) == ("handoff.relay_cap_tokens", 512, 768)
+
+
+def test_capacity_at_max_replicas_leaves_a_notice():
+    snap = healthy_snapshot(**CASES["ttft_slo_breach"])
+    proposals = propose_all(snap, replicas={"prefill": 4, "relay_decode": 1, "main_decode": 2})
+    assert [(p.specialist, p.change.target) for p in proposals] == [("clerk", "notice.ttft_slo_breach")]
+
+
+def test_capacity_freezes_a_crashing_role():
+    snap = healthy_snapshot(**{**CASES["tpot_slo_breach"], **CASES["replica_crash"]})
+    assert not [p for p in propose_all(snap) if p.specialist == "capacity"]
+
+
+def test_capacity_uses_the_twin_what_if_and_prefers_cheap_plans():
+    asked = []
+
+    def what_if(config, replicas, knobs, load_rps):
+        asked.append(dict(replicas))
+        # pretend only decode capacity helps: MD (2.5/h) and RLD (2.0/h) both meet the SLO
+        ok = replicas["main_decode"] > 2 or replicas["relay_decode"] > 1
+        return {"ttft_ms": 500, "tpot_ms": 150 if ok else 400, "gap_ms": 200}
+
+    [p] = [p for p in propose_all(healthy_snapshot(**CASES["tpot_slo_breach"]), what_if=what_if) if p.specialist == "capacity"]
+    assert p.change.target == "replicas.relay_decode"
+    assert "twin predicts" in p.reason
+    assert len(asked) == 3
+
+
+def test_capacity_scale_down_needs_the_twin_to_agree():
+    def pessimist(config, replicas, knobs, load_rps):
+        return {"ttft_ms": 1900, "tpot_ms": 100, "gap_ms": 100}
+
+    snap = healthy_snapshot(**CASES["over_provisioned"])
+    assert not [p for p in propose_all(snap, what_if=pessimist) if p.specialist == "capacity"]
+
+
+def test_a_failing_twin_falls_back_to_the_rule():
+    def broken(*_):
+        raise RuntimeError("twin down")
+
+    [p] = [p for p in propose_all(healthy_snapshot(**CASES["ttft_slo_breach"]), what_if=broken) if p.specialist == "capacity"]
+    assert p.change.target == "replicas.prefill"
+
+
+def test_specialists_do_not_depend_on_each_others_order():
+    snap = healthy_snapshot(**CASES["rld_overload"], **CASES["ttft_slo_breach"])
+    config = pdd_config()
+    view = View(snap=snap, config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(REPLICAS), situations=situations_of(snap), memory=Memory())
+    forward = [p for name in PROPOSERS for p in PROPOSERS[name](view)]
+    backward = [p for name in reversed(list(PROPOSERS)) for p in PROPOSERS[name](view)]
+    assert sorted(p.model_dump_json() for p in forward) == sorted(p.model_dump_json() for p in backward)
+
+
+def test_relay_cap_goes_back_up_once_rld_has_headroom():
+    config = pdd_config()
+    knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "handoff": {"relay_cap_tokens": 128}})
+    snap = healthy_snapshot(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 10.0, "MainDecode": 80.0})
+    [s] = situations_of(snap, knobs=knobs)
+    assert (s.name, s.subject, s.severity) == ("rld_overload", "recovered", 0)
+    [p] = propose_all(snap, knobs=knobs)
+    assert (p.specialist, p.change.target, p.change.old, p.change.new) == ("handoff", "handoff.relay_cap_tokens", 128, 384)
