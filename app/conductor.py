@@ -22,7 +22,7 @@ from app import metrics
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
-from app.journal import Journal, Journey, Transfer
+from app.journal import Journal, Journey, Transfer, slo_summary
 from app.kv.params import LEASE, PRODUCE, PULL
 from app.kv.link import direction_name
 from app.kv.transport import release_lease
@@ -67,11 +67,14 @@ class Tokens:
 
 
 class LinkDirectory:
-    """Relay addresses of the Links deployment, fetched once."""
+    """Relay addresses of the Links deployment (fetched once), and its live figures."""
 
     def __init__(self, handle: Any):
         self._handle = handle
         self._relays: dict[str, tuple[str, int]] | None = None
+
+    async def counters(self) -> dict[str, Any]:
+        return await self._handle.counters.remote()
 
     async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
         if self._relays is None:
@@ -82,6 +85,21 @@ class LinkDirectory:
         return name, self._relays[name]
 
 
+def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
+    """Live knobs as dotted paths with numeric values (e.g. routing.max_wan_transfer_ms)."""
+    flat: dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[prefix] = float(value)
+
+    walk("", knobs.model_dump(mode="json"))
+    return flat
+
+
 def check(delta: EngineDelta, role: RoleName) -> EngineDelta:
     if delta.error:
         raise EngineError(f"{role.value} engine failed: {delta.error}")
@@ -89,19 +107,23 @@ def check(delta: EngineDelta, role: RoleName) -> EngineDelta:
 
 
 class Conductor:
-    def __init__(self, config: PDDConfig, engines: EngineClient, links: LinkDirectory, tokenizer: Tokenizer):
+    def __init__(self, config: PDDConfig, engines: EngineClient, links: LinkDirectory, tokenizer: Tokenizer, replica_id: str = ""):
         self.config = config
+        self.replica_id = replica_id
         self.engines = engines
         self.links = links
         self.tokenizer = tokenizer
         self.knobs = config.live_knobs()
         self.journal = Journal()
         self.index = PrefixIndex(config.model.block_size)
+        self.in_flight = 0
         self.background: set[asyncio.Task] = set()
         """Engine work that outlives its request (an MD warm-up after the relay finished)."""
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         self.knobs = knobs
+        for name, value in numeric_knobs(knobs).items():
+            metrics.registry().set(metrics.KNOB, value, knob=name)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Output]:
         journey = self.journal.add(
@@ -119,6 +141,7 @@ class Conductor:
         finish_reason: str | None = None
         outcome = "cancelled"
         pipeline = self._pipeline(req, journey)
+        self._count_in_flight(+1)
         try:
             async for batch in pipeline:
                 if batch.token_ids:
@@ -150,6 +173,7 @@ class Conductor:
             journey.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            self._count_in_flight(-1)
             await pipeline.aclose()
             journey.ttft_ms = None if first_at is None else (first_at - t0) * 1000
             journey.decode_ms = None if first_at is None else (last_at - first_at) * 1000
@@ -158,6 +182,44 @@ class Conductor:
             journey.finished_at = time.time()
             metrics.record_journey(journey, self.config.slo, outcome)
         yield Output("", assembler.num_tokens, finish_reason="length" if finish_reason == "length" else "stop")
+
+    async def reset_prefix_caches(self) -> None:
+        """Cold caches everywhere (benchmarks compare modes from the same start)."""
+        await self.engines.reset_prefix_caches()
+        self.index = PrefixIndex(self.config.model.block_size)
+
+    def _count_in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        metrics.registry().set(metrics.IN_FLIGHT, self.in_flight, replica=self.replica_id)
+
+    async def state(self) -> dict[str, Any]:
+        """What GET /pdd/state returns (people, `pdd status`, chat-ops)."""
+        cfg = self.config
+        roles = {}
+        for role, rc in cfg.roles.present().items():
+            replicas = await self.engines.replicas(role) if role in self.engines.roles() else []
+            group = cfg.node_groups[rc.node_group]
+            roles[role.value] = {
+                "node_group": rc.node_group,
+                "datacenter": group.datacenter,
+                "accelerator": group.accelerator,
+                "configured_replicas": rc.replicas,
+                "max_replicas": rc.max_replicas,
+                "replicas": [
+                    {"replica_id": i.replica_id, "node_ip": i.node_ip, "node_id": i.node_id, "in_flight": self.engines.load(i.replica_id), "kv_blocks": i.num_kv_blocks}
+                    for i in replicas
+                ],
+            }
+        return {
+            "mode": cfg.mode.value,
+            "model": cfg.model.served_name,
+            "roles": roles,
+            "node_groups": {name: g.model_dump(mode="json", include={"datacenter", "accelerator", "cost_per_hour"}) for name, g in cfg.node_groups.items()},
+            "knobs": self.knobs.model_dump(mode="json"),
+            "links": await self.links.counters(),
+            "in_flight": self.in_flight,
+            "slo": {"targets": cfg.slo.model_dump(mode="json"), "recent": slo_summary(self.journal.recent(self.journal.capacity), cfg.slo, cfg.slo.window_s)},
+        }
 
     async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
         if req.mode is Mode.colocated:

@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
 from app.conductor import Conductor, GenerationRequest, LinkDirectory, Output
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
@@ -174,13 +175,18 @@ class ConductorIngress:
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError("model.source: pdd-serve needs a model with a fast (tokenizers) tokenizer")
         handles = {RoleName(role): h for role, h in engines.items()}
-        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer, replica_id)
         self.keys = ApiKeys(self.config.server.api_keys)
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.conductor.reconfigure(LiveKnobs.model_validate(user_config))
+
+    async def reset_prefix_caches(self) -> None:
+        """Serve-handle control call (not HTTP): empty every engine's prefix cache."""
+        await self.conductor.reset_prefix_caches()
 
     # ---- request preparation -------------------------------------------------
 
@@ -384,6 +390,18 @@ class ConductorIngress:
         if j is None:
             raise APIError(404, f"No request '{request_id}' in the journal (it keeps the last {self.conductor.journal.capacity})", type="not_found_error", param="request_id")
         return j.to_dict()
+
+    @api.get("/pdd/state", responses=ERROR_RESPONSES)
+    async def state(self, request: Request) -> dict[str, Any]:
+        """Roles and replicas per node group, live knobs, links, recent SLO figures."""
+        self.keys.check(request)
+        return await self.conductor.state()
+
+    @api.post("/pdd/chat", responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def chat(self, body: ChatOpsRequest, request: Request) -> StreamingResponse:
+        """Chat-ops (agents/chatops): an answer about the cluster as SSE, then the figures it used; read-only."""
+        key = self.keys.check(request)
+        return await chat_endpoint(self, self.config, self.conductor).respond(body, key)
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:

@@ -100,3 +100,38 @@ class Journal:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 1)
+
+
+def slo_summary(journeys: list[Journey], slo, window_s: float, now: float | None = None) -> dict[str, Any]:
+    """Recent SLO figures by pipeline from finished journeys inside the window."""
+    now = time.time() if now is None else now
+    recent = [j for j in journeys if j.finished_at is not None and now - j.finished_at <= window_s]
+    by_pipeline: dict[str, list[Journey]] = {}
+    for j in recent:
+        by_pipeline.setdefault(j.pipeline or "none", []).append(j)
+    out: dict[str, Any] = {}
+    for pipeline, js in sorted(by_pipeline.items()):
+        ok = [j for j in js if j.error is None]
+        ttft = [j.ttft_ms for j in ok if j.ttft_ms is not None]
+        tpot = [j.tpot_s * 1000 for j in ok if j.tpot_s is not None]
+        gap = [j.max_gap_ms for j in ok if j.max_gap_ms is not None and j.completion_tokens > 1]
+        out[pipeline] = {
+            "requests": len(js),
+            "errors": len(js) - len(ok),
+            "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
+            "tpot_ms": {"p50": _pct(tpot, 50), "p90": _pct(tpot, 90)},
+            "max_gap_ms": {"p50": _pct(gap, 50), "p99": _pct(gap, 99)},
+            "slo_violations": {
+                "ttft": sum(t > slo.ttft_ms for t in ttft),
+                "tpot": sum(t > slo.tpot_ms for t in tpot),
+                "gap": sum(g > slo.max_gap_ms for g in gap),
+            },
+        }
+    return {"window_s": window_s, "requests": len(recent), "by_pipeline": out}
