@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec.structs import replace
@@ -55,6 +55,8 @@ class Output:
     completion_tokens: int
     """Tokens produced so far (usage)."""
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens since the previous Output (text may lag them: stop strings)."""
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Conductor:
         first_at = last_at = None
         max_gap = 0.0
         finish_reason: str | None = None
+        text = ""
+        pending_ids: list[int] = []
         outcome = "cancelled"
         pipeline = self._pipeline(req, journey)
         self._count_in_flight(+1)
@@ -153,18 +157,19 @@ class Conductor:
                     last_at = now
                     journey.note_tokens(batch.role.value, len(batch.token_ids))
                 delta = assembler.feed(batch.token_ids)
+                pending_ids += batch.token_ids[: delta.num_tokens]
                 journey.completion_tokens = assembler.num_tokens
                 if delta.stopped:
                     finish_reason = "stop"
-                    if delta.text:
-                        yield Output(delta.text, assembler.num_tokens)
+                    text = delta.text
                     break
                 if batch.finish_reason is not None:
                     finish_reason = batch.finish_reason
-                    yield Output(delta.text + assembler.finish(), assembler.num_tokens)
+                    text = delta.text + assembler.finish()
                     break
                 if delta.text:
-                    yield Output(delta.text, assembler.num_tokens)
+                    yield Output(delta.text, assembler.num_tokens, token_ids=pending_ids)
+                    pending_ids = []
             outcome = "ok"
         except asyncio.CancelledError:
             raise
@@ -181,6 +186,8 @@ class Conductor:
             journey.finish_reason = finish_reason
             journey.finished_at = time.time()
             metrics.record_journey(journey, self.config.slo, outcome)
+        if text or pending_ids:
+            yield Output(text, assembler.num_tokens, token_ids=pending_ids)
         yield Output("", assembler.num_tokens, finish_reason="length" if finish_reason == "length" else "stop")
 
     async def reset_prefix_caches(self) -> None:

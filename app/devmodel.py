@@ -160,6 +160,43 @@ def ensure_devmodel(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def ensure_llama8b_shape(cache_dir: Path | None = None) -> Path:
+    """A Llama-3-8B-shaped model folder without weights (vLLM `load_format: dummy`), with
+    the dev tokenizer: GPU benchmarks get real 8B compute and KV sizes, and output the
+    conductor can still detokenize."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    dev = ensure_devmodel(cache_dir)
+    target = (cache_dir or default_cache_dir()) / f"llama8b-shape-v{DEVMODEL_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (dev / name).exists():
+            shutil.copy(dev / name, tmp / name)
+    vocab = json.loads((dev / "config.json").read_text())["vocab_size"]
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp)
+    if target.exists():
+        _remove_tree(tmp)
+    else:
+        tmp.rename(target)
+    return target
+
+
 def resolve_model_source(source: str) -> str:
     """What vLLM and the tokenizer load for a `model.source` config value."""
     if source == "devmodel":

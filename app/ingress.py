@@ -30,16 +30,12 @@ from app.engine_client import EngineClient
 from app.token_channel import SamplingOptions
 from app.openai_api import (
     APIError,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatRenderer,
     Completion,
-    CompletionChoice,
+    CompletionRenderer,
     CompletionRequest,
-    DeltaMessage,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -272,29 +268,36 @@ class ConductorIngress:
         finally:
             self.admission.leave(key)
 
-    async def _collect(self, outputs: AsyncIterator[Output]) -> tuple[str, Output]:
-        parts = []
-        last = None
-        async for out in outputs:
-            parts.append(out.text)
-            last = out
-        assert last is not None
-        return "".join(parts), last
-
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
-    async def _stream(self, gen: GenerationRequest, outputs: AsyncIterator[Output], chunk, usage_wanted: bool) -> AsyncIterator[bytes]:
-        """SSE framing shared by both endpoints; `chunk(text, finish_reason)` builds one event."""
+    async def _respond(self, key: str, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest, render: ChatRenderer | CompletionRenderer):
+        self.admission.enter(key)
+        outputs = self._admitted(key, self.conductor.generate(gen))
+        want_ids = bool(body.return_token_ids)
+        if body.stream:
+            want_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(gen, outputs, render, want_usage, want_ids)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-request-id": gen.request_id})
+        parts: list[str] = []
+        ids: list[int] = []
+        async for out in outputs:
+            parts.append(out.text)
+            ids += out.token_ids
+            last = out
+        usage = self._usage(len(gen.prompt_token_ids), last.completion_tokens)
+        return render.whole("".join(parts), last.finish_reason, ids if want_ids else None, usage)
+
+    async def _stream(self, gen: GenerationRequest, outputs: AsyncIterator[Output], render, want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
         try:
-            first = chunk(None, None)
-            if first is not None:
-                yield _sse(first)
+            opening = render.opening()
+            if opening is not None:
+                yield _sse(opening)
             async for out in outputs:
-                if out.text or out.finish_reason:
-                    yield _sse(chunk(out.text, out.finish_reason))
-                if out.finish_reason and usage_wanted:
-                    yield _sse(chunk(None, None, usage=self._usage(len(gen.prompt_token_ids), out.completion_tokens)))
+                if out.text or out.finish_reason or (want_ids and out.token_ids):
+                    yield _sse(render.delta(out.text, out.finish_reason, out.token_ids if want_ids else None))
+                if out.finish_reason and want_usage:
+                    yield _sse(render.usage(self._usage(len(gen.prompt_token_ids), out.completion_tokens)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
@@ -313,68 +316,14 @@ class ConductorIngress:
         key = self.keys.check(request)
         self._check_model(body.model)
         gen = self._generation_request(body, self._chat_prompt(body), body.requested_max_tokens(), "chatcmpl")
-        self.admission.enter(key)
-        outputs = self._admitted(key, self.conductor.generate(gen))
-        created, model = now(), body.model
-
-        if body.stream:
-            sent_role = False
-
-            def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str | None:
-                nonlocal sent_role
-                if usage is not None:
-                    return ChatCompletionChunk(id=gen.request_id, created=created, model=model, choices=[], usage=usage).model_dump_json()
-                if text is None and finish is None:
-                    if sent_role:
-                        return None
-                    sent_role = True
-                    delta = DeltaMessage(role="assistant", content="")
-                else:
-                    delta = DeltaMessage(content=text or None)
-                choice = ChatChunkChoice(delta=delta, finish_reason=finish)
-                return ChatCompletionChunk(id=gen.request_id, created=created, model=model, choices=[choice]).model_dump_json(exclude_none=False)
-
-            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(gen, outputs, chunk, usage_wanted), media_type="text/event-stream", headers={"x-request-id": gen.request_id})
-
-        text, last = await self._collect(outputs)
-        return ChatCompletion(
-            id=gen.request_id,
-            created=created,
-            model=model,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
-            usage=self._usage(len(gen.prompt_token_ids), last.completion_tokens),
-        )
+        return await self._respond(key, body, gen, ChatRenderer(gen.request_id, body.model))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(self, body: CompletionRequest, request: Request):
         key = self.keys.check(request)
         self._check_model(body.model)
         gen = self._generation_request(body, self._completion_prompt(body), body.max_tokens, "cmpl")
-        self.admission.enter(key)
-        outputs = self._admitted(key, self.conductor.generate(gen))
-        created, model = now(), body.model
-
-        if body.stream:
-
-            def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str | None:
-                if usage is not None:
-                    return Completion(id=gen.request_id, created=created, model=model, choices=[], usage=usage).model_dump_json()
-                if text is None and finish is None:
-                    return None
-                return Completion(id=gen.request_id, created=created, model=model, choices=[CompletionChoice(text=text or "", finish_reason=finish)]).model_dump_json()
-
-            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(gen, outputs, chunk, usage_wanted), media_type="text/event-stream", headers={"x-request-id": gen.request_id})
-
-        text, last = await self._collect(outputs)
-        return Completion(
-            id=gen.request_id,
-            created=created,
-            model=model,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
-            usage=self._usage(len(gen.prompt_token_ids), last.completion_tokens),
-        )
+        return await self._respond(key, body, gen, CompletionRenderer(gen.request_id, body.model))
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
     async def recent_journeys(self, request: Request, limit: int = 100) -> dict[str, Any]:

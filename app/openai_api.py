@@ -66,6 +66,7 @@ class _SamplingFields(_Request):
     presence_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
     ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
+    return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
 
     def stop_list(self) -> list[str]:
@@ -154,6 +155,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -175,6 +177,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -191,6 +194,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):
@@ -200,6 +204,51 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ChatRenderer:
+    """Chat completion bodies and stream chunks for one request."""
+
+    def __init__(self, request_id: str, model: str):
+        self.id, self.model, self.created = request_id, model, now()
+
+    def opening(self) -> str:
+        return self._chunk(ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+
+    def delta(self, text: str, finish: str | None, token_ids: list[int] | None) -> str:
+        return self._chunk(ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish, token_ids=token_ids))
+
+    def usage(self, usage: Usage) -> str:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump_json()
+
+    def whole(self, text: str, finish: str | None, token_ids: list[int] | None, usage: Usage) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish, token_ids=token_ids)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+
+    def _chunk(self, choice: ChatChunkChoice) -> str:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump_json()
+
+
+class CompletionRenderer:
+    """Text completion bodies and stream chunks for one request."""
+
+    def __init__(self, request_id: str, model: str):
+        self.id, self.model, self.created = request_id, model, now()
+
+    def opening(self) -> None:
+        return None
+
+    def delta(self, text: str, finish: str | None, token_ids: list[int] | None) -> str:
+        return self._body([CompletionChoice(text=text, finish_reason=finish, token_ids=token_ids)]).model_dump_json()
+
+    def usage(self, usage: Usage) -> str:
+        return self._body([], usage).model_dump_json()
+
+    def whole(self, text: str, finish: str | None, token_ids: list[int] | None, usage: Usage) -> Completion:
+        return self._body([CompletionChoice(text=text, finish_reason=finish, token_ids=token_ids)], usage)
+
+    def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
 
 def new_request_id(prefix: str) -> str:

@@ -19,7 +19,7 @@ class TextDelta:
     text: str
     """New text for the client (may be empty while a stop string is possible)."""
     num_tokens: int
-    """Tokens this delta accounts for."""
+    """Tokens of this feed that count (all of them, or those up to a stop string)."""
     stopped: bool = False
     """A stop string matched: the request is complete and the rest is discarded."""
 
@@ -46,13 +46,13 @@ class TextAssembler:
         """Add tokens; return the text that is now safe to send."""
         if self.stopped:
             return TextDelta("", 0, stopped=True)
-        for tid in token_ids:
+        for i, tid in enumerate(token_ids):
             piece = self._stream.step(self._tokenizer, tid)
             self.num_tokens += 1
             if piece:
                 self._pending += piece
             if self._stops and self._match_stop():
-                return TextDelta(self._flush_pending(), self.num_tokens, stopped=True)
+                return TextDelta(self._flush_pending(), i + 1, stopped=True)
         return TextDelta(self._release(), len(token_ids))
 
     def finish(self) -> str:

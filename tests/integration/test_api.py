@@ -208,3 +208,16 @@ def test_token_id_outside_vocabulary_is_400(app):
 def test_unknown_route_is_404_json(app):
     resp = httpx.get(f"{app.base_url}/v1/nothing-here")
     assert resp.status_code == 404 and "error" in resp.json()
+
+
+def test_return_token_ids_extension(client):
+    kw = {"max_tokens": 12, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    whole = client.completions.create(model=MODEL, prompt="list the errors", **kw)
+    ids = whole.choices[0].token_ids
+    assert len(ids) == whole.usage.completion_tokens == 12
+    streamed = [t for c in client.completions.create(model=MODEL, prompt="list the errors", stream=True, **kw) if c.choices for t in (c.choices[0].token_ids or [])]
+    assert streamed == ids
+    # the ids continue the prompt exactly: feeding them back reproduces the rest
+    prompt_ids = client.completions.create(model=MODEL, prompt="list the errors", max_tokens=1, temperature=0, extra_body={"return_token_ids": True})
+    assert prompt_ids.choices[0].token_ids == ids[:1]
+    assert client.completions.create(model=MODEL, prompt="list the errors", max_tokens=12, temperature=0).choices[0].token_ids is None
