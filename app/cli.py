@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -44,6 +45,40 @@ def validate(config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve conf
     config = _load(config_path)
     roles = ", ".join(f"{r.value}x{c.replicas}" for r, c in config.roles.present().items())
     console.print(f"[green]ok[/green] mode={config.mode.value} roles: {roles}")
+
+
+@main.command()
+def status(
+    config_path: Path = typer.Option(DEFAULT_CONFIG, "--config", help="Serve config (SLO targets, agent settings)"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="The app's HTTP address (PDD_API_KEY for auth)"),
+    prometheus: str = typer.Option(None, help="Prometheus URL (default: agents.prometheus_url)"),
+    app_name: str = typer.Option("pdd", help="Serve application name"),
+) -> None:
+    """The cluster at a glance: roles, links, knobs, SLO figures."""
+    from app.status import show
+
+    config = _load(config_path)
+    try:
+        show(url, prometheus or config.agents.prometheus_url, config, console, app_name)
+    except (httpx.HTTPError, RuntimeError) as err:
+        console.print(f"[red]cannot read {url}/pdd/state: {err}[/red] (is the app running? `make run`)")
+        raise typer.Exit(1) from None
+
+
+@main.command()
+def rules(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path = typer.Option(Path("pdd-rules.yaml"), "-o", help="Where to write")) -> None:
+    """Write Prometheus recording + alerting rules for the config's SLOs."""
+    from app.observability import write_rules
+
+    console.print(str(write_rules(_load(config_path), output)))
+
+
+@main.command()
+def dashboard(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path = typer.Option(Path("pdd-dashboard.json"), "-o", help="Where to write")) -> None:
+    """Write the importable Grafana dashboard."""
+    from app.observability import write_dashboard
+
+    console.print(str(write_dashboard(_load(config_path), output)))
 
 
 @cluster_cli.command("up")
@@ -122,13 +157,52 @@ def run(
         console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
         console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
                       f"-d '{{\"model\": \"{config.model.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
-        while True:
-            time.sleep(3600)
+        prometheus = _start_prometheus(config)
+        agents = _start_agents(config_path, config) if prometheus is not None else None
+        console.print("  `pdd status` shows the cluster at a glance")
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            if agents is not None:
+                agents.terminate()
+            if prometheus is not None:
+                prometheus.stop()
     except KeyboardInterrupt:
         console.print("stopping")
     finally:
         if started:
             cluster.down(echo=console.print)
+
+
+def _start_prometheus(config):
+    """Debian's Prometheus against Ray's service discovery, with the SLO rules; None when absent."""
+    from urllib.parse import urlparse
+
+    from app import prometheus
+    from app.observability import write_rules
+
+    if prometheus.binary() is None:
+        console.print(f"[yellow]{prometheus.INSTALL_HINT}[/yellow]; metrics stay on Ray's endpoints, agents do not start")
+        return None
+    workdir = cluster.state_dir() / "prometheus"
+    workdir.mkdir(parents=True, exist_ok=True)
+    rules_path = write_rules(config, workdir / "pdd-rules.yaml")
+    port = urlparse(config.agents.prometheus_url).port or 9090
+    server = prometheus.PrometheusServer(port=port, file_sd=prometheus.ray_service_discovery_file(), rule_files=[rules_path], workdir=workdir)
+    server.start()
+    console.print(f"  Prometheus at {server.url} (rules: {rules_path})")
+    return server
+
+
+def _start_agents(config_path: Path, config):
+    import subprocess
+    import sys
+
+    log = cluster.state_dir() / "agents.log"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path)], stdout=log.open("a"), stderr=subprocess.STDOUT)
+    console.print(f"  agents: {config.agents.mode.value} mode, every {config.agents.tick_s:g} s (log: {log}; `pdd agents history`)")
+    return proc
 
 
 if __name__ == "__main__":

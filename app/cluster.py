@@ -131,6 +131,15 @@ def orphans() -> list[int]:
     return found
 
 
+def state_dir() -> Path:
+    """Where `pdd run` keeps Prometheus data, rules and the agents' log."""
+    from app.devmodel import default_cache_dir
+
+    path = default_cache_dir() / "run"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -28,14 +28,32 @@ from app.kv.link import direction_name
 from app.kv.transport import release_lease
 from app.policy import Pipeline
 from app.prefix_index import PrefixIndex
+from app.relay import pdd_pipeline
 from app.textstream import TextAssembler
-from app.token_channel import EngineDelta, EngineRequest, SamplingOptions
+from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions
 
 logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """An engine reported a failure for this request."""
+
+
+class RequestTimeout(RuntimeError):
+    """The request ran past server.request_timeout_s."""
+
+
+class PrefillUnavailable(RuntimeError):
+    """No prefill replica could compute the prompt."""
+
+
+#: Where a request goes when its engine dies mid-stream: the same role first.
+FAILOVER_ORDER = {
+    RoleName.main_decode: (RoleName.main_decode, RoleName.relay_decode, RoleName.prefill),
+    RoleName.relay_decode: (RoleName.relay_decode, RoleName.main_decode, RoleName.prefill),
+    RoleName.prefill: (RoleName.prefill, RoleName.main_decode, RoleName.relay_decode),
+}
+ENGINE_FAILURES = (ChannelClosed, EngineError)
 
 
 @dataclass
@@ -69,21 +87,46 @@ class Tokens:
 
 
 class LinkDirectory:
-    """Relay addresses of the Links deployment (fetched once), and its live figures."""
+    """The Links deployment as routing sees it: relay addresses and link health,
+    refreshed at most every HEALTH_TTL_S (a replaced Links replica has new ports)."""
+
+    HEALTH_TTL_S = 1.0
+    CALL_TIMEOUT_S = 2.0
 
     def __init__(self, handle: Any):
         self._handle = handle
-        self._relays: dict[str, tuple[str, int]] | None = None
+        self._relays: dict[str, tuple[str, int]] = {}
+        self._counters: dict[str, Any] = {}
+        self._refreshed_at = -1e9
+        self.reachable = True
+
+    async def _refresh(self) -> None:
+        if time.monotonic() - self._refreshed_at <= self.HEALTH_TTL_S:
+            return
+        self._refreshed_at = time.monotonic()
+        try:
+            self._relays, self._counters = await asyncio.wait_for(
+                asyncio.gather(self._handle.describe.remote(), self._handle.counters.remote()), self.CALL_TIMEOUT_S
+            )
+            self.reachable = True
+        except (asyncio.TimeoutError, RuntimeError) as exc:  # Links replica gone (its node died)
+            logger.warning("link emulators unreachable: %s", exc)
+            self.reachable = False
 
     async def counters(self) -> dict[str, Any]:
-        return await self._handle.counters.remote()
+        await self._refresh()
+        return self._counters
+
+    async def is_up(self, src_dc: str, dst_dc: str) -> bool:
+        await self._refresh()
+        link = self._counters.get(direction_name(src_dc, dst_dc))
+        return self.reachable and (link is None or not link["is_cut"])
 
     async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
-        if self._relays is None:
-            self._relays = await self._handle.describe.remote()
+        await self._refresh()
         name = direction_name(src_dc, dst_dc)
         if name not in self._relays:
-            raise EngineError(f"no link configured for {name}")
+            raise EngineError(f"no link emulator for {name} (configured links: {', '.join(sorted(self._relays)) or 'none reachable'})")
         return name, self._relays[name]
 
 
@@ -147,7 +190,14 @@ class Conductor:
         pipeline = self._pipeline(req, journey)
         self._count_in_flight(+1)
         try:
-            async for batch in pipeline:
+            deadline = asyncio.get_running_loop().time() + self.config.server.request_timeout_s
+            while True:
+                try:
+                    # a bound on every wait: a stuck engine or link cannot hang the request
+                    async with asyncio.timeout_at(deadline):
+                        batch = await anext(pipeline)
+                except StopAsyncIteration:
+                    break
                 if batch.token_ids:
                     now = time.monotonic()
                     if first_at is None:
@@ -173,6 +223,10 @@ class Conductor:
             outcome = "ok"
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            outcome = "error"
+            journey.error = f"timed out after {self.config.server.request_timeout_s:g} s"
+            raise RequestTimeout(journey.error) from None
         except Exception as exc:
             outcome = "error"
             journey.error = f"{type(exc).__name__}: {exc}"
@@ -230,17 +284,22 @@ class Conductor:
 
     async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
         if req.mode is Mode.colocated:
-            stream = self._colocated(req, journey)
+            stream = self._colocated(req, journey, RoleName.main_decode)
         elif req.mode is Mode.pd_intra_dc:
             stream = self._pd(req, journey, RoleName.relay_decode, first_token_from_prefill=True)
         elif req.mode is Mode.pd_cross_dc_naive:
             stream = self._pd(req, journey, RoleName.main_decode, first_token_from_prefill=False)
         else:
-            from app.relay import pdd_pipeline
-
             stream = pdd_pipeline(self, req, journey)
-        async for batch in stream:
-            yield batch
+        try:
+            async for batch in stream:
+                yield batch
+        except PrefillUnavailable as exc:  # nothing was sent yet: a decoder computes it all
+            decoder = RoleName.main_decode if RoleName.main_decode in self.engines.roles() else RoleName.relay_decode
+            journey.failovers.append({"from_role": "prefill", "to_role": decoder.value, "at_token": 0, "error": str(exc)})
+            metrics.registry().inc(metrics.FAILOVERS, from_role="prefill", to_role=decoder.value)
+            async for batch in self._colocated(req, journey, decoder):
+                yield batch
 
     # ---- building blocks (also used by app/relay.py) -----------------------------
 
@@ -279,21 +338,69 @@ class Conductor:
             yield delta
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
-        """P computes the prompt's KV and the first token; the KV stays leased for `consumers` pulls."""
-        replica, _ = await self.route(RoleName.prefill, keys, journey)
-        request = EngineRequest(
-            f"{req.request_id}-p",
-            req.prompt_token_ids,
-            replace(req.sampling, max_tokens=1),
-            kv_transfer_params={PRODUCE: {"consumers": consumers}},
-        )
-        last = None
-        async for delta in self.engines.stream(replica, request):
-            last = check(delta, RoleName.prefill)
-        assert last is not None and last.finished
-        journey.hit_tokens[RoleName.prefill.value] = last.num_cached_tokens or 0
-        self.remember(replica, req.prompt_token_ids, last.num_cached_tokens or 0, keys)
-        return last, replica
+        """P computes the prompt's KV and the first token; the KV stays leased for
+        `consumers` pulls. A failed P replica is left for another one."""
+        for attempt in range(len(await self.engines.replicas(RoleName.prefill)) or 1):
+            try:
+                replica, _ = await self.route(RoleName.prefill, keys, journey)
+            except NoReplicaError as exc:
+                raise PrefillUnavailable(str(exc)) from exc
+            request = EngineRequest(
+                f"{req.request_id}-p{attempt or ''}",
+                req.prompt_token_ids,
+                replace(req.sampling, max_tokens=1),
+                kv_transfer_params={PRODUCE: {"consumers": consumers}},
+            )
+            last = None
+            try:
+                async for delta in self.engines.stream(replica, request):
+                    last = check(delta, RoleName.prefill)
+            except ENGINE_FAILURES as exc:
+                self.engines.suspect(replica.replica_id)
+                self.unroute(replica, keys, 0)
+                journey.failovers.append({"from_role": "prefill", "from_replica": replica.replica_id, "at_token": 0, "error": str(exc)})
+                continue
+            assert last is not None and last.finished
+            journey.hit_tokens[RoleName.prefill.value] = last.num_cached_tokens or 0
+            self.remember(replica, req.prompt_token_ids, last.num_cached_tokens or 0, keys)
+            return last, replica
+        raise PrefillUnavailable("every prefill replica failed")
+
+    async def follow(
+        self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, req: GenerationRequest, journey: Journey, before: list[int]
+    ) -> AsyncIterator[tuple[RoleName, EngineDelta]]:
+        """Stream `request`, whose prompt is the user's prompt + `before` (tokens the
+        client already has). If its engine fails mid-stream, the request goes on
+        elsewhere from prompt + every token sent so far (extend-decode), so the
+        client sees no gap, duplicate or lost token."""
+        produced: list[int] = []
+        attempt = 0
+        while True:
+            try:
+                async for delta in self.decode_stream(role, replica, request, journey):
+                    produced += delta.token_ids
+                    yield role, delta
+                return
+            except ENGINE_FAILURES as exc:
+                self.engines.suspect(replica.replica_id)
+                target = await self._failover_target(role)
+                if target is None:
+                    raise
+                so_far = before + produced
+                attempt += 1
+                journey.failovers.append({"from_role": role.value, "from_replica": replica.replica_id, "to_role": target[0].value, "to_replica": target[1].replica_id, "at_token": len(so_far), "error": str(exc)})
+                metrics.registry().inc(metrics.FAILOVERS, from_role=role.value, to_role=target[0].value)
+                role, replica = target
+                journey.replicas[role.value] = replica.replica_id
+                request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, replace(req.sampling, max_tokens=req.sampling.max_tokens - len(so_far)))
+
+    async def _failover_target(self, failed: RoleName) -> tuple[RoleName, ReplicaInfo] | None:
+        for role in FAILOVER_ORDER[failed]:
+            if role in self.engines.roles():
+                infos = await self.engines.replicas(role)
+                if infos:
+                    return role, min(infos, key=lambda i: self.engines.load(i.replica_id))
+        return None
 
     async def pull_params(self, lease: dict[str, Any], dst_dc: str) -> dict[str, Any]:
         name, relay = await self.links.relay(lease["datacenter"], dst_dc)
@@ -319,20 +426,19 @@ class Conductor:
 
     # ---- pipelines ----------------------------------------------------------------
 
-    async def _colocated(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
-        journey.pipeline = Pipeline.colocated.value
-        role = RoleName.main_decode
+    async def _colocated(self, req: GenerationRequest, journey: Journey, role: RoleName) -> AsyncIterator[Tokens]:
+        """One engine computes the prompt and every token."""
+        journey.pipeline = journey.pipeline or Pipeline.colocated.value
         keys = self.index.keys(req.prompt_token_ids)
         replica, _ = await self.route(role, keys, journey)
         request = EngineRequest(req.request_id, req.prompt_token_ids, req.sampling)
         output: list[int] = []
-        async for delta in self.engines.stream(replica, request):
-            check(delta, role)
+        async for served_by, delta in self.follow(role, replica, request, req, journey, []):
             output += delta.token_ids
-            if delta.finished:
+            if delta.finished and served_by is role:
                 journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
                 self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
-            yield Tokens(delta.token_ids, role, delta.finish_reason if delta.finished else None)
+            yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
 
     async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
         """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
@@ -387,11 +493,11 @@ class Conductor:
         )
         held = list(first.token_ids) if hold_first else []
         output = list(first.token_ids)
-        async for delta in self.decode_stream(role, replica, request, journey):
+        async for served_by, delta in self.follow(role, replica, request, req, journey, list(first.token_ids)):
             output += delta.token_ids
-            if delta.finished and cache_salt is None:  # salted blocks serve no later request
+            if delta.finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
                 self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
             tokens = held + delta.token_ids
             held = []
             if tokens or delta.finished:
-                yield Tokens(tokens, role, delta.finish_reason if delta.finished else None)
+                yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None)

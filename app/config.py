@@ -170,7 +170,7 @@ class EngineConfig(_Strict):
         unknown = sorted(set(v) - known)
         if unknown:
             raise ValueError(f"not vLLM engine arguments: {', '.join(unknown)}")
-        reserved = sorted(set(v) & {"model", "kv_transfer_config", "block_size", "dtype"})
+        reserved = sorted(set(v) & {"model", "kv_transfer_config", "block_size", "dtype", "worker_extension_cls"})
         if reserved:
             raise ValueError(f"set by pdd-serve, not here: {', '.join(reserved)}")
         return v
@@ -369,6 +369,8 @@ class AgentsConfig(_Strict):
     llm: LLMEndpoint | None = None
     """None: the swarm runs rule-routed and chat-ops says how to configure one."""
     audit_db: str = "~/.cache/pdd-serve/agents.sqlite"
+    chat_db: str = "~/.cache/pdd-serve/chatops.sqlite"
+    """Chat-ops conversations (`pdd ask`, POST /pdd/chat): a LangGraph checkpointer, one thread per conversation."""
     actions_dir: str = "runbooks/actions"
     dashboard_url: str = "http://127.0.0.1:8265"
     """Ray dashboard the agents actuate through (Serve REST API: redeploy, scale)."""

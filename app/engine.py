@@ -151,6 +151,7 @@ def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = Non
         load_format=config.model.load_format,
         disable_log_stats=False,
         kv_transfer_config=kv_transfer_config,
+        worker_extension_cls="app.kv.control.ConnectorControl",
     )
     if e.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens
@@ -255,6 +256,10 @@ class EngineServer:
     async def kv_state(self, target_replica: str | None = None) -> dict[str, Any]:
         """The connector's view: leases this engine holds for decoders to pull."""
         return {"replica_id": self.replica_id, "leases_live": self._connector.leases_live}
+
+    async def expire_leases(self, target_replica: str | None = None) -> int:
+        """Release this engine's KV leases now (fault injection; a stuck lease)."""
+        return sum(await self.engine.collective_rpc("pdd_expire_leases"))
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
@@ -25,11 +26,17 @@ class NoReplicaError(RuntimeError):
     """A role has no live replica to take the request."""
 
 
+#: A replica whose stream broke is left out of routing this long (Serve needs a
+#: few seconds to notice a dead replica; new requests must not queue behind it).
+SUSPECT_S = 30.0
+
+
 class EngineClient:
     def __init__(self, handles: dict[RoleName, DeploymentHandle]):
         self._handles = handles
         self._replicas: dict[str, ReplicaInfo] = {}
         self._channels: dict[str, TokenStreamClient] = {}
+        self._suspect: dict[str, float] = {}
 
     def roles(self) -> list[RoleName]:
         return list(self._handles)
@@ -48,7 +55,13 @@ class EngineClient:
                 self._replicas[info.replica_id] = info
         for rid in [r for r in self._channels if r not in live and r in self._replicas and self._replicas[r].role == role.value]:
             await self._channels.pop(rid).close()
-        return [self._replicas[rid] for rid in sorted(live) if rid in self._replicas]
+        now = time.monotonic()
+        healthy = [rid for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]
+        return [self._replicas[rid] for rid in healthy]
+
+    def suspect(self, replica_id: str) -> None:
+        """A stream to this replica broke: route around it for a while."""
+        self._suspect[replica_id] = time.monotonic() + SUSPECT_S
 
     def load(self, replica_id: str) -> int:
         """Requests this conductor has in flight on a replica."""

@@ -23,11 +23,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
-from app.conductor import Conductor, GenerationRequest, LinkDirectory, Output
+from app.conductor import Conductor, EngineError, GenerationRequest, LinkDirectory, Output, RequestTimeout
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
-from app.engine_client import EngineClient
-from app.token_channel import SamplingOptions
+from app.engine_client import EngineClient, NoReplicaError
+from app.token_channel import ChannelClosed, SamplingOptions
 from app.openai_api import (
     APIError,
     ChatCompletion,
@@ -51,7 +51,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing or invalid API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
     429: {"model": ErrorResponse, "description": "Too many concurrent requests"},
-    503: {"model": ErrorResponse, "description": "Not ready"},
+    500: {"model": ErrorResponse, "description": "Internal error (a bug)"},
+    502: {"model": ErrorResponse, "description": "An engine failed and no replica could take over"},
+    503: {"model": ErrorResponse, "description": "No engine replica available"},
+    504: {"model": ErrorResponse, "description": "The request ran past server.request_timeout_s"},
 }
 
 api = FastAPI(title="pdd-serve", version="0.1.0", description="OpenAI-compatible API of a PDD cluster")
@@ -94,6 +97,22 @@ async def _validation_error(_: Request, err: RequestValidationError) -> JSONResp
     elif param:
         msg = f"{param}: {msg}"
     return _error_response(APIError(400, msg, param=param))
+
+
+@api.exception_handler(NoReplicaError)
+async def _no_replica(_: Request, err: NoReplicaError) -> JSONResponse:
+    return _error_response(APIError(503, f"no engine available: {err}; retry shortly", type="service_unavailable", code="no_replica"))
+
+
+@api.exception_handler(EngineError)
+@api.exception_handler(ChannelClosed)
+async def _engine_failed(_: Request, err: Exception) -> JSONResponse:
+    return _error_response(APIError(502, f"an engine failed and no replica could take the request over: {err}", type="server_error", code="engine_failed"))
+
+
+@api.exception_handler(RequestTimeout)
+async def _timeout_error(_: Request, err: RequestTimeout) -> JSONResponse:
+    return _error_response(APIError(504, f"request {err}", type="timeout_error", code="request_timeout"))
 
 
 @api.exception_handler(Exception)

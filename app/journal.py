@@ -38,6 +38,8 @@ class Journey:
     hit_tokens: dict[str, int] = field(default_factory=dict)
     """role -> prompt tokens found in that engine's own prefix cache."""
     transfers: list[Transfer] = field(default_factory=list)
+    failovers: list[dict[str, Any]] = field(default_factory=list)
+    """Engines that failed mid-request and where the request went on (at which token)."""
     handoff: dict[str, Any] | None = None
     """mode, point (tokens already sent when MD took over), steps, latency_ms."""
     token_sources: list[list[Any]] = field(default_factory=list)

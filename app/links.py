@@ -40,6 +40,10 @@ class LinkEmulators:
     async def restore(self, direction: str) -> None:
         self._relay(direction).restore()
 
+    async def stall(self, direction: str, seconds: float) -> None:
+        """Hold one direction's data for `seconds` without closing connections."""
+        self._relay(direction).stall(seconds)
+
     async def counters(self) -> dict[str, dict[str, Any]]:
         return {
             name: {**vars(relay.counters), "is_cut": relay.is_cut, "bandwidth_mbps": relay.model.config.bandwidth_mbps, "rtt_ms": relay.model.config.rtt_ms}

@@ -55,13 +55,14 @@ CACHED_TOKENS = _spec("pdd_cached_prompt_tokens", "counter", "Prompt tokens each
 RELAY_TOKENS = _spec("pdd_relay_tokens", "histogram", "Tokens RLD produced for each relayed request.", (), TOKEN_BUCKETS)
 SINGULAR = _spec("pdd_singular_requests", "counter", "Requests the singular-traffic filter finished on RLD.")
 SLO_VIOLATIONS = _spec("pdd_slo_violations", "counter", "Requests over an SLO target, by pipeline and objective (ttft, tpot, gap).", ("pipeline", "slo"))
+FAILOVERS = _spec("pdd_failovers", "counter", "Requests moved mid-stream off a failed engine (extend-decode from the tokens so far).", ("from_role", "to_role"))
 LEASES_LIVE = _spec("pdd_kv_leases_live", "gauge", "Prompt KV leases a prefill replica holds for decoders to pull.", ("replica",))
 IN_FLIGHT = _spec("pdd_requests_in_flight", "gauge", "Requests the conductor is serving now.", ("replica",))
 KNOB = _spec("pdd_knob_value", "gauge", "Current value of each numeric live knob (routing.*, handoff.*).", ("knob",))
 
 ALL: tuple[MetricSpec, ...] = (
     REQUESTS, TTFT, TPOT, MAX_GAP, HANDOFF, HANDOFF_TOKENS, KV_BYTES, KV_SECONDS, KV_BLOCKS, KV_FAILURES,
-    PREFIX_HIT, PROMPT_TOKENS, CACHED_TOKENS, RELAY_TOKENS, SINGULAR, SLO_VIOLATIONS, LEASES_LIVE, IN_FLIGHT, KNOB,
+    PREFIX_HIT, PROMPT_TOKENS, CACHED_TOKENS, RELAY_TOKENS, SINGULAR, SLO_VIOLATIONS, FAILOVERS, LEASES_LIVE, IN_FLIGHT, KNOB,
 )
 
 

@@ -8,8 +8,8 @@ Rules (../shared/PDD.md):
 - P-MD when what MD lacks crosses the WAN quickly enough (few blocks);
   P-RLD-MD otherwise, so a relay decoder in A masks the transfer.
 - P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter
-  (ultra-long, low-hit input with a tiny output), because requests ending at
-  RLD leave MD's cache behind P's and overload RLD.
+  (ultra-long, low-hit input with a tiny output) and while the WAN is down,
+  because requests ending at RLD leave MD's cache behind P's and overload RLD.
 - A saturated RLD is not given more relays: the request goes P-MD and pays the
   transfer rather than queueing behind other relays.
 """
@@ -58,6 +58,10 @@ class ClusterFacts:
     rld_load: float
     """Occupancy of the least loaded RLD replica: active relays / its batch limit."""
     rld_available: bool = True
+    wan_up: bool = True
+    """False while the WAN between P and MD is cut: requests then finish in A."""
+    md_available: bool = True
+    """False when no main decoder is alive (its datacenter is down)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingCo
     def decide(pipeline: Pipeline, reason: str) -> RouteDecision:
         return RouteDecision(pipeline, blocks, wan_ms, hit, reason)
 
+    if not (cluster.wan_up and cluster.md_available) and cluster.rld_available:
+        why = "WAN down" if not cluster.wan_up else "no main decoder alive"
+        return decide(Pipeline.p_rld, f"{why}: the relay finishes the request in datacenter A")
     cheap = wan_ms <= routing.max_wan_transfer_ms
     hit_ok = routing.min_hit_rate is None or hit >= routing.min_hit_rate
     if cheap and hit_ok:

@@ -28,6 +28,7 @@ from msgspec.structs import replace
 from app import metrics
 from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
+from app.engine_client import NoReplicaError
 from app.journal import Journey
 from app.kv.params import LEASE
 from app.policy import (
@@ -63,17 +64,27 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     from app.conductor import Tokens
 
     keys = c.index.keys(req.prompt_token_ids)
-    md, md_cached = await c.route(RoleName.main_decode, keys, journey)
+    try:
+        md, md_cached = await c.route(RoleName.main_decode, keys, journey)
+    except NoReplicaError:  # datacenter B is down: datacenter A serves alone
+        md, md_cached = None, 0
     rld, load = await rld_load(c)
-    link = c.config.link(c.config.datacenter_of(RoleName.prefill), md.datacenter)
+    shape = md or rld
+    if shape is None:
+        raise NoReplicaError("neither a main decoder nor a relay decoder is alive")
+    p_dc = c.config.datacenter_of(RoleName.prefill)
+    md_dc = c.config.datacenter_of(RoleName.main_decode)
+    link = c.config.link(p_dc, md_dc)
     decision = choose_pipeline(
         RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
         ClusterFacts(
-            kv_bytes_per_block=md.kv_bytes_per_block,
-            block_size=md.block_size,
+            kv_bytes_per_block=shape.kv_bytes_per_block,
+            block_size=shape.block_size,
             wan=LinkFacts(link.bandwidth_mbps * 1e6 / 8, link.rtt_ms / 1000),
             rld_load=load,
             rld_available=rld is not None,
+            wan_up=await c.links.is_up(p_dc, md_dc),
+            md_available=md is not None,
         ),
         c.knobs.routing,
     )
@@ -98,7 +109,8 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     if decision.pipeline is Pipeline.p_md:
         stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys)
     elif decision.pipeline is Pipeline.p_rld:
-        c.unroute(md, keys, md_cached)  # singular: MD never sees this request
+        if md is not None:  # singular, or WAN down: MD never sees this request
+            c.unroute(md, keys, md_cached)
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
     else:
@@ -208,7 +220,16 @@ class Relay:
                         else:
                             next_item = asyncio.create_task(queue.get())
                 if md_task is not None and md_task in done:
-                    md_task.result()  # an MD failure surfaces here
+                    if md_task.exception() is not None:
+                        # MD cannot take over: the relay finishes the request if it can;
+                        # otherwise the final step below fails over to another decoder
+                        self.c.engines.suspect(self.md.replica_id)
+                        self.journey.decision["md_failure"] = f"{type(md_task.exception()).__name__}: {md_task.exception()}"
+                        md_task = None
+                        if relaying:
+                            self.cap = req.sampling.max_tokens
+                            continue
+                        break
                     handed = md_covers
                     step = next_handoff_step(len(self.out) - handed, rounds, self.mode, self.handoff) if relaying else HandoffStep.final
                     if step is HandoffStep.catch_up:
@@ -238,14 +259,14 @@ class Relay:
             "latency_ms": None,
         }
         output = list(self.out)
-        async for delta in self.c.decode_stream(RoleName.main_decode, self.md, final, self.journey):
+        async for served_by, delta in self.c.follow(RoleName.main_decode, self.md, final, req, self.journey, list(self.out)):
             if delta.token_ids and self.journey.handoff["latency_ms"] is None:
                 self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
             output += delta.token_ids
-            if delta.finished:
+            if delta.finished and served_by is RoleName.main_decode:
                 self.c.remember(self.md, req.prompt_token_ids + output)
             if delta.token_ids or delta.finished:
-                yield Tokens(delta.token_ids, RoleName.main_decode, delta.finish_reason if delta.finished else None)
+                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
 
     def _finish_md_in_background(self, md_task: asyncio.Task | None) -> None:
         """The relay finished the request: MD's warm-up still runs to completion, so

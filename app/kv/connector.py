@@ -319,6 +319,9 @@ class PDDConnector(KVConnectorBase_V1):
         out, self._done_results = self._done_results, []
         return PDDWorkerMetadata(out)
 
+    def expire_all_leases(self) -> int:
+        return len(self._leases.expire(now=float("inf")))
+
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.close()

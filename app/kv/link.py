@@ -104,6 +104,7 @@ class LinkRelay:
         self._cut = _Cut()
         self._live: set[asyncio.StreamWriter] = set()
         self._free_at = 0.0  # when the link's bandwidth is next free (pulls share it)
+        self._stalled_until = 0.0
 
     async def start(self) -> int:
         if self._server is None:
@@ -124,6 +125,11 @@ class LinkRelay:
 
     def restore(self) -> None:
         self._cut.until = 0.0
+        self._stalled_until = 0.0
+
+    def stall(self, seconds: float) -> None:
+        """Hold every transfer's data for `seconds`; connections stay open (a congested path)."""
+        self._stalled_until = time.monotonic() + seconds
 
     @property
     def is_cut(self) -> bool:
@@ -176,6 +182,8 @@ class LinkRelay:
             elif chunks == 1 and stall_s:
                 await asyncio.sleep(stall_s)
             chunks += 1
+            if self._stalled_until > time.monotonic():
+                await asyncio.sleep(self._stalled_until - time.monotonic())
             now = time.monotonic()
             # pulls share the bandwidth: each chunk queues behind what is already on the wire
             start = max(now, self._free_at)

@@ -9,6 +9,7 @@ the same model, dtype and block size: the layout is checked, never assumed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import socketserver
@@ -124,6 +125,8 @@ class Lease:
     consumers: int
     expires_at: float
     pulls: int = 0
+    serving: int = 0
+    """Pulls being sent right now: the blocks must outlive them, whatever the clock says."""
 
 
 @dataclass
@@ -142,9 +145,10 @@ class LeaseTable:
             self.leases[lease_id] = Lease(list(block_ids), consumers, time.monotonic() + ttl_s)
             self.cond.notify_all()
 
-    def wait(self, lease_id: str, timeout_s: float) -> Lease | None:
-        """The lease, waiting briefly: a pull can arrive before the engine's next
-        step hands the finished prefill's lease to this worker."""
+    def begin(self, lease_id: str, timeout_s: float) -> Lease | None:
+        """The lease, marked as being served; waits briefly, because a pull can arrive
+        before the engine's next step hands the finished prefill's lease to this worker.
+        Every successful begin() is followed by pulled()."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while lease_id not in self.leases:
@@ -152,22 +156,26 @@ class LeaseTable:
                 if left <= 0 or lease_id in self.done:
                     return None
                 self.cond.wait(left)
-            return self.leases[lease_id]
+            lease = self.leases[lease_id]
+            lease.serving += 1
+            return lease
 
     def pulled(self, lease_id: str) -> None:
         with self.cond:
             lease = self.leases.get(lease_id)
             if lease is None:
                 return
+            lease.serving -= 1
             lease.pulls += 1
             if lease.pulls >= lease.consumers:
                 del self.leases[lease_id]
                 self.done.add(lease_id)
 
     def expire(self, now: float | None = None) -> list[str]:
+        """Leases past their time and not being served (those go when their pull ends)."""
         now = time.monotonic() if now is None else now
         with self.cond:
-            gone = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]
+            gone = [lid for lid, lease in self.leases.items() if lease.expires_at <= now and lease.serving == 0]
             for lid in gone:
                 del self.leases[lid]
                 self.done.add(lid)
@@ -209,13 +217,14 @@ class BlockServer:
             req = _recv_msg(sock, PullRequest)
         except (ConnectionError, OSError, msgspec.DecodeError):
             return
-        try:
-            layout = self._layout_fn()
-            lease = self.leases.wait(req.lease_id, self._lease_wait_s)
-            if layout is None or lease is None:
-                why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
+        layout = self._layout_fn()
+        lease = self.leases.begin(req.lease_id, self._lease_wait_s) if layout is not None else None
+        if lease is None:
+            why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
+            with contextlib.suppress(OSError):
                 _send_msg(sock, PullHeader(ok=False, error=why))
-                return
+            return
+        try:
             bad = [i for i in req.indices if not 0 <= i < len(lease.block_ids)]
             if bad:
                 _send_msg(sock, PullHeader(ok=False, error=f"block indices {bad[:5]} outside the lease's {len(lease.block_ids)} blocks"))

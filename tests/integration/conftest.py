@@ -59,6 +59,8 @@ def serve_instance():
         dashboard_port=dashboard_port,
         logging_level="WARNING",
         log_to_driver=False,
+        # metrics leave each process every second (default 10 s): observability tests wait less
+        _system_config={"metrics_report_interval_ms": 1000},
     )
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -168,12 +170,3 @@ def completion(app: DeployedApp, prompt, max_tokens: int, mode: str | None = Non
     return out["choices"][0]["text"], app.journey(out["id"])
 
 
-def kill_replica(app: DeployedApp, deployment: str) -> str:
-    """Kill one replica actor of a deployment the hard way (as a crash would)."""
-    import ray
-    from ray.util.state import list_actors
-
-    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:{app.name}:{deployment}"), ("state", "=", "ALIVE")])
-    assert actors, f"no live {deployment} replica"
-    ray.kill(ray.get_actor(actors[0].name, namespace="serve"), no_restart=True)
-    return actors[0].name

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from app.cluster import orphans
+from app.faults import Faults
 from app.kv.params import PRODUCE
 from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
 from tests.conftest import local_args
-from tests.integration.conftest import completion, deploy_app, kill_replica
+from tests.integration.conftest import completion, deploy_app
 
 BLOCK = 32
 BYTES_PER_BLOCK = BLOCK * 4096  # dev model: 2 layers x K,V x 4 heads x 64 dims x fp32
@@ -156,7 +157,7 @@ def test_killing_prefill_after_its_prefill_makes_decoders_recompute(app):
     while time.monotonic() < deadline and not _prefill_done(app):
         time.sleep(0.05)
     time.sleep(0.3)
-    kill_replica(app, "Prefill")
+    Faults(app.name).kill_replica("Prefill")
     worker.join(180)
     deadline = time.monotonic() + 15  # the killed replica's engine processes follow it
     while orphans() and time.monotonic() < deadline:

@@ -96,6 +96,7 @@ cluster_st = st.builds(
     wan=st.builds(LinkFacts, bandwidth_bytes_per_s=st.floats(1e3, 1e11), rtt_s=st.floats(0, 1)),
     rld_load=st.floats(0, 2),
     rld_available=st.booleans(),
+    wan_up=st.booleans(),
 )
 routing_st = st.builds(
     RoutingConfig,
@@ -111,7 +112,7 @@ routing_st = st.builds(
 def test_p_rld_only_through_the_singular_filter(facts, cl, r):
     d = choose_pipeline(facts, cl, r)
     assert d.pipeline in (Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld)
-    if d.pipeline is Pipeline.p_rld:
+    if d.pipeline is Pipeline.p_rld and cl.wan_up:
         s = r.singular
         assert s.enabled and facts.prompt_tokens >= s.min_prompt_tokens and facts.max_tokens <= s.max_output_tokens
         assert d.md_hit_rate <= s.max_hit_rate and cl.rld_available
@@ -123,6 +124,8 @@ def test_p_rld_only_through_the_singular_filter(facts, cl, r):
 @given(facts_st, cluster_st, routing_st)
 def test_more_cache_never_moves_a_request_onto_the_relay(facts, cl, r):
     """Monotone: if MD holds more of the prompt, P-MD stays P-MD."""
+    if not cl.wan_up:
+        return
     if choose_pipeline(facts, cl, r).pipeline is Pipeline.p_md:
         more = RequestFacts(facts.prompt_tokens, facts.max_tokens, facts.md_cached_tokens + cl.block_size * 4)
         assert choose_pipeline(more, cl, r).pipeline is Pipeline.p_md
@@ -152,3 +155,11 @@ def test_relay_cap_shrinks_with_load_within_bounds(cap, floor, load):
     got = relay_cap(h, load)
     assert floor <= got <= cap
     assert relay_cap(h, min(load + 0.2, 3)) <= got
+
+
+def test_wan_outage_finishes_requests_in_datacenter_a():
+    down = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, wan_up=False)
+    d = choose_pipeline(RequestFacts(4000, 100, 3968), down, routing())
+    assert d.pipeline is Pipeline.p_rld and "WAN down" in d.reason
+    no_relay = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, rld_available=False, wan_up=False)
+    assert choose_pipeline(RequestFacts(4000, 100, 0), no_relay, routing()).pipeline is Pipeline.p_md

@@ -1,0 +1,12 @@
+"""Methods vLLM adds to its workers (`worker_extension_cls`), so a replica can reach
+its KV connector through `AsyncLLM.collective_rpc` (fault injection, operations)."""
+
+from __future__ import annotations
+
+
+class ConnectorControl:
+    def pdd_expire_leases(self) -> int:
+        """Release every lease not being pulled right now, as if its timeout had passed."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().expire_all_leases()

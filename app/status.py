@@ -1,0 +1,113 @@
+"""`pdd status`: the cluster at a glance, from GET /pdd/state and Prometheus.
+
+The same figures the agents read (agents/observe.py's snapshot), beside the
+SLO targets, in green when met and red when not. Without Prometheus the recent
+figures the conductor keeps itself are shown instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+
+from app.config import PDDConfig
+from app.observability import APP_NAME, query_set
+
+
+def fetch_state(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    key = os.environ.get("PDD_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    resp = httpx.get(f"{url}/pdd/state", headers=headers, timeout=timeout_s)
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET {url}/pdd/state: HTTP {resp.status_code}: {resp.text[:200]}")
+    return resp.json()
+
+
+def fetch_snapshot(prometheus_url: str, config: PDDConfig, app_name: str = APP_NAME):
+    from agents.observe import PromSource
+
+    return PromSource(prometheus_url, query_set(config, app_name)).snapshot(time.time())
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _judged(value_ms: float | None, target_ms: float) -> str:
+    if value_ms is None:
+        return "-"
+    colour = "green" if value_ms <= target_ms else "red"
+    return f"[{colour}]{value_ms:.0f}[/{colour}]"
+
+
+def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "") -> Group:
+    targets = state["slo"]["targets"]
+    pct = f"p{targets['percentile']:g}"
+    header = f"[bold]{state['model']}[/bold]  mode [bold]{state['mode']}[/bold]  in flight {state['in_flight']}"
+
+    roles = Table(title="roles", expand=True)
+    for col in ("role", "datacenter", "accelerator", "replicas", "in flight"):
+        roles.add_column(col)
+    for name, r in state["roles"].items():
+        live = len(r["replicas"])
+        want = r["configured_replicas"]
+        replicas = f"{live}/{want}" if live == want else f"[red]{live}/{want}[/red]"
+        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, str(sum(x["in_flight"] for x in r["replicas"])))
+
+    links = Table(title="links", expand=True)
+    for col in ("direction", "Mbit/s", "RTT ms", "KV moved", "state"):
+        links.add_column(col)
+    for name, link in sorted(state["links"].items()):
+        moved = link["bytes_down"]
+        links.add_row(name, f"{link['bandwidth_mbps']:g}", f"{link['rtt_ms']:g}", f"{moved / 1e6:.1f} MB", "[red]CUT[/red]" if link["is_cut"] else "up")
+
+    slo = Table(title=f"SLOs ({pct}; targets TTFT {targets['ttft_ms']:g} ms, TPOT {targets['tpot_ms']:g} ms, gap {targets['max_gap_ms']:g} ms)", expand=True)
+    for col in ("pipeline", "req/s" if snapshot is not None else "requests", f"TTFT {pct} ms", "TTFT p99 ms", f"TPOT {pct} ms", "worst gap p99 ms"):
+        slo.add_column(col)
+    if snapshot is not None:
+        for p in sorted(set(snapshot.request_rate_by_pipeline) | set(snapshot.ttft_p_by_pipeline)):
+            slo.add_row(
+                p,
+                f"{snapshot.request_rate_by_pipeline.get(p, 0):.2f}",
+                _judged(_sec_ms(snapshot.ttft_p_by_pipeline.get(p)), targets["ttft_ms"]),
+                _ms(snapshot.ttft_p99_by_pipeline.get(p)),
+                _judged(_sec_ms(snapshot.tpot_p_by_pipeline.get(p)), targets["tpot_ms"]),
+                _judged(_sec_ms(snapshot.gap_p99_by_pipeline.get(p)), targets["max_gap_ms"]),
+            )
+    else:
+        for p, fig in state["slo"]["recent"]["by_pipeline"].items():  # the conductor keeps p50/p90/p99
+            slo.add_row(p, str(fig["requests"]), _judged(fig["ttft_ms"]["p90"], targets["ttft_ms"]), str(fig["ttft_ms"]["p99"]), _judged(fig["tpot_ms"]["p90"], targets["tpot_ms"]), _judged(fig["max_gap_ms"]["p99"], targets["max_gap_ms"]))
+
+    extra = []
+    if snapshot is not None:
+        hits = ", ".join(f"{role} {v:.0%}" for role, v in sorted(snapshot.prefix_hit_by_role.items())) or "-"
+        wan = ", ".join(f"{link} {_ms(v)} ms" for link, v in sorted(snapshot.kv_seconds_p90_by_link.items())) or "-"
+        extra.append(f"prefix hit: {hits}   KV pull p90: {wan}   leases held: {snapshot.leases_live if snapshot.leases_live is not None else '-'}")
+    knobs = state["knobs"]
+    extra.append(
+        f"knobs: max_wan_transfer_ms {knobs['routing']['max_wan_transfer_ms']:g}, handoff {knobs['handoff']['mode']} "
+        f"(catch-up > {knobs['handoff']['catch_up_threshold_tokens']}, relay cap {knobs['handoff']['relay_cap_tokens']})"
+    )
+    if prometheus_note:
+        extra.append(f"[yellow]{prometheus_note}[/yellow]")
+    return Group(Panel(header), roles, links, slo, *extra)
+
+
+def _sec_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def show(url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME) -> None:
+    state = fetch_state(url)
+    snapshot, note = None, ""
+    try:
+        snapshot = fetch_snapshot(prometheus_url, config, app_name)
+    except Exception as err:  # noqa: BLE001 - the state alone is still worth showing
+        note = f"Prometheus unavailable ({str(err)[:120]}); figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
+    console.print(render(state, snapshot, note))

@@ -1,0 +1,252 @@
+"""colocated vs pd_intra_dc vs pd_cross_dc_naive vs pdd on real engines, emulated WAN.
+
+One app (P + RLD in dc-a, MD in dc-b) serves the same agentic trace once per
+mode, from cold caches each time: multi-turn sessions with long contexts for
+this machine, most turns above 95% prefix hit, a low-hit tail of a few percent
+(app/sim/workload.py generates it). Each session is an agent: a turn goes out at
+its arrival time or when the previous turn's answer is complete, whichever is
+later, and its prompt repeats the conversation so far (previous prompt and the
+answer's token ids, `return_token_ids`) before the new tokens. Measured at the
+client (official openai client, streaming). The pdd run's trace, with the times
+requests really went out, is written to bench/out/pipelines_trace.jsonl for the
+twin to replay.
+
+Two worst-case latency figures per request:
+- worst gap: the longest wait between two tokens after the first;
+- worst wait: the longest time the client waits for its next token, the first
+  one included (max of TTFT and worst gap). Naive cross-DC PD hides its WAN
+  transfer in TTFT, PDD in a relay: only this figure compares the two.
+
+    python bench/pipelines.py [--requests 120] [--rps 1.0] [--json out.json] [--gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
+from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
+from tests.conftest import local_args
+
+console = Console(width=160)
+MODES = ("colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd")
+WAN = "dc-a->dc-b"
+
+
+def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
+    """The agentic mix of ../shared/PDD.md, scaled to contexts this machine serves in seconds."""
+    return AgenticWorkload(
+        requests=requests,
+        rps=rps,
+        seed=seed,
+        turns_min=20,
+        turns_max=30,
+        first_prompt_median=1200,
+        first_prompt_sigma=0.3,
+        max_context_tokens=6000,
+        compact_to=0.5,
+        hit_bands=[HitBand(weight=0.75, low=0.95, high=1.0), HitBand(weight=0.21, low=0.6, high=0.95), HitBand(weight=0.04, low=0.0, high=0.5)],
+        output_median=48,
+        output_sigma=0.5,
+        output_max=160,
+        think_time_min_s=2.0,
+        think_time_mean_s=4.0,
+    )
+
+
+async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> tuple[LoadResult, list[str], list[Request]]:
+    """Sessions run as agents (turns in order); returns results, request ids and the trace as sent."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
+    records: list[RequestRecord | None] = [None] * len(trace)
+    ids: list[str] = [""] * len(trace)
+    sent: list[Request | None] = [None] * len(trace)
+    sessions: dict = {}
+    for i, r in enumerate(trace):
+        sessions.setdefault(r.session, []).append(i)
+    t0 = time.perf_counter()
+    done = 0
+
+    async def one(i: int, conversation: list[int], rng: random.Random) -> list[int]:
+        r = trace[i]
+        keep = min(r.prefix_tokens, len(conversation), r.prompt_tokens - 1)
+        prompt = conversation[:keep] + [rng.randrange(10, 500) for _ in range(r.prompt_tokens - keep)]
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        start = time.perf_counter()
+        sent[i] = r._replace(arrival_s=start - t0, prefix_tokens=keep)
+        first = last = None
+        gaps, tokens, output = [], 0, []
+        try:
+            stream = await client.completions.create(
+                model="pdd-dev", prompt=prompt, max_tokens=r.output_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "pdd_mode": mode, "return_token_ids": True},
+            )
+            async for chunk in stream:
+                ids[i] = chunk.id
+                now = time.perf_counter()
+                if chunk.choices:
+                    output += chunk.choices[0].token_ids or []
+                    if chunk.choices[0].text:
+                        if first is None:
+                            first = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            end = time.perf_counter()
+            records[i] = RequestRecord((first or end) - start, end - start, tokens, gaps)
+        except Exception as exc:  # noqa: BLE001 - a failure is a data point
+            records[i] = RequestRecord(float("nan"), time.perf_counter() - start, 0, error=f"{type(exc).__name__}: {exc}")
+        return prompt + output
+
+    async def session(turns: list[int]) -> None:
+        nonlocal done
+        rng = random.Random(seed * 1_000_003 + turns[0])
+        conversation: list[int] = []
+        for i in turns:
+            conversation = await one(i, conversation, rng)
+            done += 1
+            if done % 10 == 0 or done == len(trace):
+                console.print(f"  {mode}: {done}/{len(trace)} requests")
+
+    await asyncio.gather(*(session(turns) for turns in sessions.values()))
+    await client.close()
+    return LoadResult(mode, 0, time.perf_counter() - t0, [r for r in records if r is not None]), ids, [r for r in sent if r is not None]
+
+
+def worst_wait_ms(result: LoadResult, q: float) -> float:
+    return percentile([max(r.ttft_s, r.max_gap_s) for r in result.ok], q) * 1000
+
+
+def gpu_args(args: dict) -> dict:
+    """CUDA machine: vllm, dummy weights of an 8B Llama shape, a datacenter-class WAN."""
+    from app.devmodel import ensure_llama8b_shape
+
+    args["model"].update(source=str(ensure_llama8b_shape()), load_format="dummy", dtype="bfloat16", block_size=16, max_model_len=16384)
+    for group in args["node_groups"].values():
+        group.update(num_gpus=0.3, accelerator="H200")
+    for role in args["roles"].values():
+        role["engine"] = {"gpu_memory_utilization": 0.28, "max_num_seqs": 64}
+    for link in args["links"]:
+        if link["between"] == ["dc-a", "dc-b"]:
+            link.update(bandwidth_mbps=10_000, rtt_ms=30)  # 8B KV is 128 KiB/token: 10 Gbit/s is the WAN share
+    return args
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--rps", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
+    ap.add_argument("--json", dest="json_path")
+    a = ap.parse_args()
+    modes = a.modes.split(",")
+
+    args = local_args()
+    args["model"]["max_model_len"] = 8192
+    if a.gpu:
+        args = gpu_args(args)
+    trace = list(workload(a.requests, a.rps, a.seed).generate())
+    hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
+    console.print(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
+                  f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
+                  f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included)")
+
+    results: dict[str, LoadResult] = {}
+    wan: dict[str, int] = {}
+    pipelines: dict[str, dict[str, int]] = {}
+    with LocalApp(args, name="pipelines") as app:
+        wait_http(f"{app.base_url}/health")
+        from ray import serve
+
+        conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
+        links = serve.get_deployment_handle("Links", app_name="pipelines")
+        for mode in modes:
+            conductor.reset_prefix_caches.remote().result()
+            before = links.counters.remote().result()[WAN]["bytes_down"]
+            console.print(f"[bold]{mode}[/bold]")
+            result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
+            results[mode] = result
+            if mode == "pdd":
+                OUT_DIR.mkdir(parents=True, exist_ok=True)
+                write_trace(OUT_DIR / "pipelines_trace.jsonl", sorted(sent))
+            wan[mode] = links.counters.remote().result()[WAN]["bytes_down"] - before
+            counts: dict[str, int] = {}
+            for rid in ids:
+                if rid:
+                    p = httpx.get(f"{app.base_url}/pdd/requests/{rid}", timeout=30).json().get("pipeline") or "?"
+                    counts[p] = counts.get(p, 0) + 1
+            pipelines[mode] = counts
+
+    rows, summary_rows = [], {}
+    for mode, r in results.items():
+        summary_rows[mode] = {
+            "ttft_p50": r.ttft_ms(50), "ttft_p90": r.ttft_ms(90), "ttft_p99": r.ttft_ms(99),
+            "tpot_p50": r.tpot_ms(50), "gap_p50": r.gap_ms(50), "gap_p99": r.gap_ms(99),
+            "wait_p99": worst_wait_ms(r, 99), "wan_mb": wan[mode] / 1e6, "failed": len(r.records) - len(r.ok),
+        }
+        for rec in r.records:
+            rows.append({"mode": mode, "ttft_ms": rec.ttft_s * 1000, "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens, "error": rec.error or ""})
+
+    table = Table(title=f"pipelines on real engines: {len(trace)} agentic requests at {a.rps} req/s, same trace per mode, cold caches")
+    for col in ("mode", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):
+        table.add_column(col, justify="right")
+    for mode, s in summary_rows.items():
+        table.add_row(mode, *(f"{s[k]:.0f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99")), f"{s['tpot_p50']:.1f}",
+                      f"{s['gap_p50']:.0f}", f"{s['gap_p99']:.0f}", f"{s['wait_p99']:.0f}", f"{s['wan_mb']:.1f}", str(s["failed"]),
+                      " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())))
+    console.print(table)
+    console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
+
+    summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}
+    if {"pdd", "pd_intra_dc", "pd_cross_dc_naive"} <= set(summary_rows):
+        pdd, intra, naive = summary_rows["pdd"], summary_rows["pd_intra_dc"], summary_rows["pd_cross_dc_naive"]
+        summary.update(
+            gap_p99_pdd_over_intra=pdd["gap_p99"] / intra["gap_p99"],
+            gap_p99_naive_over_pdd=naive["wait_p99"] / pdd["wait_p99"],
+            ttft_p99_pdd_over_intra=pdd["ttft_p99"] / intra["ttft_p99"],
+        )
+        console.print(
+            f"pdd worst-gap p99 / pd_intra_dc: {summary['gap_p99_pdd_over_intra']:.2f}x (goal <= 1.5x); "
+            f"naive / pdd worst-wait p99: {summary['gap_p99_naive_over_pdd']:.1f}x (goal >= 5x); "
+            f"pdd TTFT p99 / pd_intra_dc: {summary['ttft_p99_pdd_over_intra']:.2f}x (goal <= 1.1x)"
+        )
+
+    def plot(path: Path) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for mode, r in results.items():
+            for ax, values in ((axes[0], [x.ttft_s * 1000 for x in r.ok]), (axes[1], [max(x.ttft_s, x.max_gap_s) * 1000 for x in r.ok])):
+                xs = sorted(values)
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode)
+        axes[0].set_title("TTFT CDF")
+        axes[1].set_title("worst wait (max of TTFT, inter-token gap) CDF")
+        for ax in axes:
+            ax.set_xscale("log")
+            ax.set_xlabel("ms")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+
+    csv_path = write_outputs("pipelines", rows, summary, a.json_path, plot)
+    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {OUT_DIR / 'pipelines_trace.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Faults under a batch of concurrent streaming requests (real engines, greedy).
+
+Each request either completes with exactly the colocated tokens or ends with a
+clear error; KV leases return to zero; the fault shows in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import openai
+import pytest
+
+from app import metrics
+from app.conductor import LinkDirectory
+from app.faults import Faults
+from app.prometheus import PrometheusServer, ray_service_discovery_file
+from tests.conftest import local_args
+from tests.integration.conftest import completion, deploy_app, free_port
+
+APP = "faults"
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance):
+    args = local_args()
+    args["roles"]["main_decode"]["replicas"] = 2
+    args["kv"] = {"lease_timeout_s": 20, "transfer_timeout_s": 30}
+    args["server"] = {"request_timeout_s": 240}
+    for link in args["links"]:
+        if link["between"] == ["dc-a", "dc-b"]:
+            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    deployed = deploy_app(serve_instance, APP, args)
+    yield deployed
+    deployed.delete()
+
+
+@pytest.fixture(scope="module")
+def prom(app, tmp_path_factory):
+    server = PrometheusServer(port=free_port(), scrape_interval_s=1, file_sd=ray_service_discovery_file(), workdir=tmp_path_factory.mktemp("prom"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def faults(app):
+    yield Faults(APP, seed=0)
+    app.wait_running()  # Serve has replaced what a test killed
+
+
+_seed = iter(range(100_000))
+
+
+def fresh(n: int) -> list[int]:
+    rng = random.Random(7000 + next(_seed))
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+class Batch:
+    """Concurrent streaming requests; `started` is set once each has some tokens."""
+
+    def __init__(self, app, prompts: list[list[int]], max_tokens: int, warm_tokens: int = 8):
+        self.app, self.prompts, self.max_tokens, self.warm_tokens = app, prompts, max_tokens, warm_tokens
+        self.texts: list[str | None] = [None] * len(prompts)
+        self.errors: list[str | None] = [None] * len(prompts)
+        self.ids: list[str] = [""] * len(prompts)
+
+    async def run(self, fault) -> None:
+        client = openai.AsyncOpenAI(base_url=self.app.v1, api_key="none", max_retries=0, timeout=300)
+        started = [asyncio.Event() for _ in self.prompts]
+
+        async def one(i: int) -> None:
+            parts, tokens = [], 0
+            try:
+                stream = await client.completions.create(model="pdd-dev", prompt=self.prompts[i], max_tokens=self.max_tokens, temperature=0, stream=True, extra_body={"return_token_ids": True})
+                async for chunk in stream:
+                    self.ids[i] = chunk.id
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].text)
+                        tokens += len(chunk.choices[0].token_ids or [])
+                        if tokens >= self.warm_tokens:
+                            started[i].set()
+                self.texts[i] = "".join(parts)
+            except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
+                self.errors[i] = f"{type(exc).__name__}: {exc}"
+            finally:
+                started[i].set()
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(self.prompts))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        await asyncio.to_thread(fault)
+        await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        await client.close()
+
+    def check(self, app) -> list[dict]:
+        """Every request: the colocated tokens, or a clear error. Returns the journeys."""
+        journeys = []
+        for i, prompt in enumerate(self.prompts):
+            if self.errors[i] is not None:
+                assert self.errors[i].strip() and "Error" in self.errors[i], self.errors[i]
+                continue
+            reference, _ = completion(app, prompt, self.max_tokens, mode="colocated")
+            assert self.texts[i] == reference, f"request {i} diverged"
+            journeys.append(app.journey(self.ids[i]))
+        return journeys
+
+
+def leases_back_to_zero(app, timeout_s: float = 40) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if app.handle("Prefill").kv_state.remote().result()["leases_live"] == 0:
+                return True
+        except Exception:  # noqa: BLE001 - the replica may be restarting
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def counted(prom, spec, **labels) -> float:
+    selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        result = prom.query(f"sum({metrics.prom_name(spec)}{{{selector}}})")
+        if result and float(result[0]["value"][1]) > 0:
+            return float(result[0]["value"][1])
+        time.sleep(1)
+    return 0.0
+
+
+def test_main_decoder_dies_mid_stream(app, faults, prom):
+    # high-hit turns go P-MD: MD streams nearly every token
+    prompts = [fresh(800) for _ in range(4)]
+    for p in prompts:
+        completion(app, p, 4)
+    batch = Batch(app, [p + fresh(20) for p in prompts], max_tokens=300, warm_tokens=20)
+    asyncio.run(batch.run(lambda: faults.kill_replica("MainDecode")))
+    journeys = batch.check(app)
+    assert not any(batch.errors), batch.errors
+    moved = [j for j in journeys if j["failovers"]]
+    assert moved, "the killed MD served none of the batch?"
+    for j in moved:
+        f = j["failovers"][0]
+        assert f["from_role"] == "main_decode" and f["at_token"] >= 20
+        assert j["completion_tokens"] == 300
+    assert counted(prom, metrics.FAILOVERS, from_role="main_decode") >= len(moved)
+    assert leases_back_to_zero(app)
+
+
+def test_relay_decoder_dies_during_the_relay(app, faults):
+    # low hit, long output: relays in flight when RLD dies; MD takes over early
+    batch = Batch(app, [fresh(2400) for _ in range(3)], max_tokens=400, warm_tokens=12)
+    asyncio.run(batch.run(lambda: faults.kill_replica("RelayDecode")))
+    journeys = batch.check(app)
+    assert not any(batch.errors), batch.errors
+    assert any("rld_failure" in j["decision"] for j in journeys), [j["decision"] for j in journeys]
+    assert all(j["token_sources"][-1][0] == "main_decode" for j in journeys)
+    assert leases_back_to_zero(app)
+
+
+def test_prefill_dies_before_its_kv_is_pulled(app, faults):
+    batch = Batch(app, [fresh(2400) for _ in range(3)], max_tokens=200, warm_tokens=1)
+    asyncio.run(batch.run(lambda: faults.kill_replica("Prefill")))
+    journeys = batch.check(app)
+    assert not any(batch.errors), batch.errors
+    assert any(not t["ok"] for j in journeys for t in j["transfers"]), "no pull broke?"
+
+
+def test_wan_outage(app, faults):
+    """In-flight requests finish; new ones route around the cut; nothing hangs."""
+    direction = "dc-a->dc-b"
+    batch = Batch(app, [fresh(2400) for _ in range(3)], max_tokens=200, warm_tokens=4)
+    asyncio.run(batch.run(lambda: faults.cut_link(direction, 30)))
+    batch.check(app)
+    assert not any(batch.errors), batch.errors
+    t0 = time.monotonic()
+    text, journey = completion(app, fresh(1500), 40)
+    assert journey["pipeline"] == "P-RLD" and "WAN down" in journey["decision"]["reason"]
+    assert time.monotonic() - t0 < 30
+    faults.restore_link(direction)
+    time.sleep(LinkDirectory.HEALTH_TTL_S + 0.5)  # how stale the conductor's view of the links may be
+    _, journey = completion(app, fresh(1500), 40)
+    assert journey["pipeline"] in ("P-RLD-MD", "P-MD")
+    assert leases_back_to_zero(app)
+
+
+def test_stalled_wan_is_bounded_by_the_transfer_timeout(app, faults):
+    faults.stall_link("dc-a->dc-b", 3)
+    text, journey = completion(app, fresh(2400), 60)
+    assert journey["completion_tokens"] == 60
+    assert leases_back_to_zero(app)
+
+
+def test_expired_leases_make_decoders_recompute(app, faults):
+    prompt = fresh(2400)
+    batch = Batch(app, [prompt], max_tokens=200, warm_tokens=1)
+    asyncio.run(batch.run(faults.expire_leases))
+    batch.check(app)
+    assert not any(batch.errors), batch.errors
+    assert leases_back_to_zero(app, timeout_s=5)
+
+
+def test_conductor_restart(app, faults):
+    batch = Batch(app, [fresh(600) for _ in range(2)], max_tokens=400, warm_tokens=8)
+    asyncio.run(batch.run(faults.restart_conductor))
+    assert all(e is None or "Error" in e for e in batch.errors)  # dropped connections are clear errors
+    app.wait_running()
+    deadline = time.monotonic() + 120
+    while True:  # the new conductor takes requests again
+        try:
+            text, journey = completion(app, fresh(300), 10)
+            break
+        except Exception:  # noqa: BLE001
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    assert journey["completion_tokens"] == 10
