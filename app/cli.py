@@ -10,6 +10,7 @@ import typer
 import yaml
 from rich.console import Console
 
+from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
 from app import cluster
 from app.config import ConfigError, load_config
@@ -19,6 +20,7 @@ main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) s
 cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
 main.add_typer(cluster_cli, name="cluster")
 main.add_typer(agents_cli, name="agents")
+main.command("ask")(ask_command)
 
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")
 

@@ -13,9 +13,9 @@ import logging
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -27,6 +27,7 @@ from app.conductor import Conductor, EngineError, GenerationRequest, LinkDirecto
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient, NoReplicaError
+from app.journal import JOURNAL_CAPACITY
 from app.token_channel import ChannelClosed, SamplingOptions
 from app.openai_api import (
     APIError,
@@ -345,10 +346,8 @@ class ConductorIngress:
         return await self._respond(key, body, gen, CompletionRenderer(gen.request_id, body.model))
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
-    async def recent_journeys(self, request: Request, limit: int = 100) -> dict[str, Any]:
+    async def recent_journeys(self, request: Request, limit: Annotated[int, Query(ge=1, le=JOURNAL_CAPACITY)] = 100) -> dict[str, Any]:
         self.keys.check(request)
-        if not 1 <= limit <= self.conductor.journal.capacity:
-            raise APIError(400, f"limit: between 1 and {self.conductor.journal.capacity}", param="limit")
         return {"requests": [j.to_dict() for j in self.conductor.journal.recent(limit)]}
 
     @api.get("/pdd/requests/{request_id}", responses=ERROR_RESPONSES)

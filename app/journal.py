@@ -81,10 +81,14 @@ class Journey:
         return d
 
 
+#: Journeys kept per conductor replica.
+JOURNAL_CAPACITY = 10_000
+
+
 class Journal:
     """The most recent journeys, bounded so memory stays flat under load."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = JOURNAL_CAPACITY):
         self.capacity = capacity
         self._items: OrderedDict[str, Journey] = OrderedDict()
 

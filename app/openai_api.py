@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.config import Mode
 
@@ -61,7 +61,7 @@ class _SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    seed: Annotated[int, Field(ge=-(2**53), le=2**53, description="Within +-2^53: integers JSON carries exactly")] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
@@ -99,30 +99,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
-    @field_validator("messages")
-    @classmethod
-    def _has_content(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if all(not m.text() for m in v):
-            raise ValueError("every message is empty")
-        return v
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: Literal[False] | None = Field(default=None, description="Not supported")
     suffix: None = Field(default=None, description="Not supported")
-
-    @model_validator(mode="after")
-    def _prompt_not_empty(self) -> "CompletionRequest":
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and not self.prompt[0]:
-            raise ValueError("prompt must not be empty")
-        return self
 
 
 class Usage(BaseModel):

@@ -1,0 +1,99 @@
+"""POST /pdd/chat on the ingress: the request body, and one chat agent per ingress replica.
+
+The ingress route (app/ingress.py) checks the API key and hands over here.
+The agent reads state and journeys from the replica's own conductor
+(InProcessSource), is built on the first chat request, and keeps its
+conversation checkpointer open for the replica's life. Thread ids are scoped
+to the caller's API key, so one key's conversations are not readable with another.
+
+Light imports only at module level: the ingress imports this module in every
+replica, and most never chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.openai_api import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class ChatOpsRequest(BaseModel):
+    """Body of POST /pdd/chat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(min_length=1, max_length=8000, description="A question about the cluster, or a change to propose")
+    thread_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="Continue this conversation; none starts one")
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+class ChatEndpoint:
+    def __init__(self, config, conductor, app_name: str):
+        self.config = config
+        self.conductor = conductor
+        self.app_name = app_name
+        self._agent = None
+        self._lock = asyncio.Lock()
+
+    async def agent(self):
+        async with self._lock:
+            if self._agent is None:
+                from agents.chatops.agent import build_agent, llm_for, sqlite_checkpointer
+                from agents.chatops.sources import InProcessSource
+                from agents.whatif import load_what_if
+
+                saver = await sqlite_checkpointer(self.config.agents.chat_db)
+                self._agent = build_agent(
+                    self.config, llm=llm_for(self.config.agents), source=InProcessSource(self.conductor),
+                    app_name=self.app_name, checkpointer=saver, what_if=load_what_if(),
+                )
+            return self._agent
+
+    async def respond(self, body: ChatOpsRequest, key: str) -> StreamingResponse:
+        from agents.chatops.agent import NO_LLM, new_thread_id
+
+        if self.config.agents.llm is None:
+            raise APIError(503, NO_LLM, type="server_error", code="llm_not_configured")
+        agent = await self.agent()
+        thread = body.thread_id or new_thread_id()
+        scoped = f"{hashlib.sha256(key.encode()).hexdigest()[:16]}/{thread}" if key else thread
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for event in agent.ask(body.message, scoped):
+                    yield _sse({**event, "thread_id": thread} if event["type"] == "figures" else event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+                logger.exception("chat-ops failed on thread %s", thread)
+                yield _sse(APIError(500, f"chat-ops failed: {type(exc).__name__}: {exc}", type="server_error").body())
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-thread-id": thread})
+
+
+_endpoints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def chat_endpoint(owner: object, config, conductor) -> ChatEndpoint:
+    """The chat endpoint of one ingress replica (`owner`), built on first use."""
+    endpoint = _endpoints.get(owner)
+    if endpoint is None:
+        from ray import serve
+
+        endpoint = _endpoints[owner] = ChatEndpoint(config, conductor, serve.get_replica_context().app_name)
+    return endpoint
