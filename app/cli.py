@@ -14,6 +14,7 @@ from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
 from app import cluster
 from app.config import ConfigError, load_config
+from app.sim.cli import sim as sim_command
 
 console = Console()
 main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
@@ -21,6 +22,7 @@ cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter
 main.add_typer(cluster_cli, name="cluster")
 main.add_typer(agents_cli, name="agents")
 main.command("ask")(ask_command)
+main.command("sim")(sim_command)
 
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")
 

@@ -152,8 +152,8 @@ class Instance:
         self.cache.set_limit(self.capacity - self.reserved)
         self.cache.release(lease.key, keep_tokens, gen, lease.pinned)
         lease.pinned = False
-        if self.state == IDLE and (self.prefill_q or self.join_q):
-            self._plan(self.loop.now)
+        if self.prefill_q or self.join_q:  # freed memory may admit queued work
+            self._poke()
 
     def _reserve(self, lease: Lease, need: int) -> bool:
         """Reserve memory for the tokens a request will write beyond its cached prefix."""
@@ -227,7 +227,9 @@ class Instance:
             self._cut(self.loop.now)
 
     def _cut(self, now: float) -> None:
-        """New work waits for the next step boundary: end the epoch there."""
+        """New work waits for the next step boundary: end the epoch there (when it can start then)."""
+        if (not self.prefill_q or self.n >= self.max_batched) and (not self.join_q or self.n >= self.max_seqs):
+            return
         self.cut = True
         k = self.ramp.steps_within(now - self.t0) + 1
         if k < self.m:
@@ -257,10 +259,10 @@ class Instance:
         return joined
 
     def _plan(self, now: float) -> None:
-        joined = self._admit_joins()
+        joined = self._admit_joins() if self.join_q else ()
         budget = self.max_batched - self.n
         chunks = []
-        if budget > 0:
+        if self.prefill_q and budget > 0:
             for job in self.prefill_q:
                 if not job.admitted:
                     if not self._reserve(job.lease, job.need):
@@ -288,21 +290,25 @@ class Instance:
             for seq in joined:
                 seq.t_first = now + dt
             self.version += 1
-            self.loop.at(now + dt, self._step_end, self.version)
+            loop = self.loop
+            heapq.heappush(loop.heap, (now + dt, next(loop.order), self._step_end, self.version))
         elif self.n:
             heap = self.fin_heap
             while heap[0][2].state != RUNNING:
                 heapq.heappop(heap)
             ramp = self.ramp = DecodeRamp(self.perf.decode_lines(self.n, self.kv))
-            self.m = heap[0][0] - self.steps
-            self.s0 = self.steps
+            steps = self.steps
+            m = self.m = heap[0][0] - steps
+            self.s0 = steps
             self.state = EPOCH
             self.cut = False
-            first = ramp.step(0)
-            for seq in joined:
-                seq.t_first = now + first
+            if joined:
+                first = now + ramp.step(0)
+                for seq in joined:
+                    seq.t_first = first
             self.version += 1
-            self.loop.at(now + ramp.cum(self.m), self._epoch_end, self.version)
+            loop = self.loop
+            heapq.heappush(loop.heap, (now + ramp.cum(m), next(loop.order), self._epoch_end, self.version))
         else:
             self.state = IDLE
 
@@ -340,35 +346,37 @@ class Instance:
         now = self.loop.now
         self.state = ENDING
         m = self.m
+        n = self.n
         self.busy_s += now - self.t0
         self.steps += m
-        self.decode_tokens += m * self.n
-        self.kv += m * self.n
+        self.decode_tokens += m * n
+        self.kv += m * n
         self.log.append(self.ramp.step(m - 1))  # steps only grow within an epoch
         self._boundary(now)
         self.state = IDLE
         self._plan(now)
 
-    def _leave(self, seq: Seq) -> None:
-        seq.state = DONE
-        self.n -= 1
-        self.kv -= seq.ctx + (self.steps - seq.join)
-
     def _boundary(self, now: float) -> None:
+        steps = self.steps
         if self.removals:
             for seq in self.removals:
                 if seq.state == RUNNING:
-                    self._leave(seq)
+                    seq.state = DONE
+                    self.n -= 1
+                    self.kv -= seq.ctx + (steps - seq.join)
             self.removals.clear()
         heap = self.fin_heap
-        steps = self.steps
+        log = self.log
+        end = self.log_base + len(log)
         while heap and heap[0][0] <= steps:
             seq = heapq.heappop(heap)[2]
             if seq.state != RUNNING:
                 continue
-            self._leave(seq)
-            seq.cb(seq, self._worst_since(seq.log0))
-        if len(self.log) > _LOG_TRIM:
+            seq.state = DONE
+            self.n -= 1
+            self.kv -= seq.ctx + (steps - seq.join)
+            seq.cb(seq, max(log[seq.log0 - self.log_base:]) if seq.log0 < end else 0.0)
+        if len(log) > _LOG_TRIM:
             self._trim_log()
 
     def _worst_since(self, log0: int) -> float:

@@ -13,16 +13,17 @@ from typing import Any
 
 
 class Loop:
-    __slots__ = ("now", "heap", "_order", "events")
+    __slots__ = ("now", "heap", "order", "events")
 
     def __init__(self) -> None:
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self._order = count()
+        self.order = count()
+        """Tie-breaker of equal times; hot callers push (t, next(order), fn, arg) themselves."""
         self.events = 0
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
-        heapq.heappush(self.heap, (t, next(self._order), fn, arg))
+        heapq.heappush(self.heap, (t, next(self.order), fn, arg))
 
     def run(self) -> None:
         heap = self.heap

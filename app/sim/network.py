@@ -66,7 +66,8 @@ class Link:
         self.version += 1
         heap = self.heap
         if heap:
-            self.loop.at(now + (heap[0][0] - self.vt) * len(heap) / self.bw, self._finish, self.version)
+            loop = self.loop
+            heapq.heappush(loop.heap, (now + (heap[0][0] - self.vt) * len(heap) / self.bw, next(loop.order), self._finish, self.version))
         else:
             self.vt = 0.0  # re-base while idle: keeps the float sums small
 

@@ -152,23 +152,23 @@ def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> Fit
 
 
 class DecodeRamp:
-    """Closed-form sums of decode steps whose time is max of two lines in the step index."""
+    """Closed-form sums of decode steps whose time is the max of two lines in the step index."""
 
-    __slots__ = ("p0", "p1", "q0", "q1", "split")
+    __slots__ = ("p0", "p1", "q0", "q1", "split", "head")
 
     def __init__(self, lines: tuple[float, float, float, float]):
         p0, p1, q0, q1 = lines
         if max(p0, q0) <= 0:
             raise ValueError("a decode step must take some time (perf model gives 0)")
-        # order the lines so the first dominates for k < split, the second after
+        # order the lines so the first dominates for k < split and the second after
+        # (at the crossing both are equal, so either side of it is exact)
         if p0 < q0 or (p0 == q0 and p1 < q1):
             p0, p1, q0, q1 = q0, q1, p0, p1
-        self.p0, self.p1, self.q0, self.q1 = p0, p1, q0, q1
-        if q1 > p1:
-            self.split = max(0, math.ceil((p0 - q0) / (q1 - p1)))
-            # at the crossing both lines are equal: either side is exact
-        else:
-            self.split = math.inf
+        split = max(0, math.ceil((p0 - q0) / (q1 - p1))) if q1 > p1 else math.inf
+        if split == 0:
+            p0, p1, split = q0, q1, math.inf
+        self.p0, self.p1, self.q0, self.q1, self.split = p0, p1, q0, q1, split
+        self.head = math.inf if split == math.inf else split * p0 + p1 * split * (split - 1) / 2
 
     def step(self, k: int) -> float:
         return max(self.p0 + self.p1 * k, self.q0 + self.q1 * k)
@@ -177,36 +177,27 @@ class DecodeRamp:
         """Seconds of steps 0 .. m-1."""
         s = self.split
         if m <= s:
-            return _series(self.p0, self.p1, 0, m)
-        return _series(self.p0, self.p1, 0, s) + _series(self.q0, self.q1, s, m)
+            return m * self.p0 + self.p1 * m * (m - 1) / 2
+        return self.head + (m - s) * self.q0 + self.q1 * (m * (m - 1) - s * (s - 1)) / 2
 
     def steps_within(self, t: float) -> int:
         """Most steps m with cum(m) <= t."""
-        s = self.split
-        head = self.cum(s) if s != math.inf else math.inf
-        if t < head:
-            return _invert(self.p0, self.p1, 0, t, self)
-        return s + _invert(self.q0 + self.q1 * s, self.q1, s, t - head, self)
-
-
-def _series(c0: float, c1: float, a: int, b: int) -> float:
-    """sum over k in [a, b) of c0 + c1*k."""
-    return (b - a) * c0 + c1 * (b * (b - 1) - a * (a - 1)) / 2
-
-
-def _invert(c0: float, c1: float, base: int, t: float, ramp: DecodeRamp) -> int:
-    """Most j with sum_{i<j} (c0 + c1*i) <= t, checked against ramp.cum at base+j."""
-    if t <= 0:
-        j = 0
-    elif c1 <= 0:
-        j = int(t / c0)
-    else:
-        b = c0 - c1 / 2
-        j = int((-b + math.sqrt(b * b + 2 * c1 * t)) / c1)
-    total = ramp.cum(base) + t
-    # the float solution may be one off either way; the sums decide
-    while j > 0 and ramp.cum(base + j) > total:
-        j -= 1
-    while ramp.cum(base + j + 1) <= total:
-        j += 1
-    return j
+        if t < self.head:
+            c0, c1, base, rest = self.p0, self.p1, 0, t
+        else:
+            s = self.split
+            c0, c1, base, rest = self.q0 + self.q1 * s, self.q1, s, t - self.head
+        if rest <= 0:
+            j = 0
+        elif c1 <= 0:
+            j = int(rest / c0)
+        else:
+            b = c0 - c1 / 2
+            j = int((-b + math.sqrt(b * b + 2 * c1 * rest)) / c1)
+        # the float solution may be one off either way; the exact sums decide
+        m = base + j
+        while m > 0 and self.cum(m) > t:
+            m -= 1
+        while self.cum(m + 1) <= t:
+            m += 1
+        return m

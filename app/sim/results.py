@@ -35,39 +35,29 @@ class RequestResult:
 
 
 _COLUMNS = ("rid", "arrival", "ttft", "last", "gap", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan")
-_TYPES = ("q", "d", "d", "d", "d", "b", "q", "q", "q", "q", "q", "q")
+_INTS = {"rid", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan"}
 
 
 @dataclass
 class Results:
-    cols: dict[str, array] = field(default_factory=lambda: {c: array(t) for c, t in zip(_COLUMNS, _TYPES)})
+    rows: array = field(default_factory=lambda: array("d"))
+    """Row-major, one float per column of _COLUMNS (integers are exact below 2**53)."""
 
     def add(self, rid: int, arrival: float, t_first: float, t_last: float, gap: float, pipeline: Pipeline,
             prompt: int, output: int, p_hit: int, d_hit: int, relay: int, wan: int) -> None:
-        c = self.cols
-        c["rid"].append(rid)
-        c["arrival"].append(arrival)
-        c["ttft"].append(t_first - arrival)
-        c["last"].append(t_last)
-        c["gap"].append(gap)
-        c["pipe"].append(PIPELINE_CODE[pipeline])
-        c["prompt"].append(prompt)
-        c["output"].append(output)
-        c["p_hit"].append(p_hit)
-        c["d_hit"].append(d_hit)
-        c["relay"].append(relay)
-        c["wan"].append(wan)
+        self.rows.extend((rid, arrival, t_first - arrival, t_last, gap, PIPELINE_CODE[pipeline], prompt, output,
+                          p_hit, d_hit, relay, wan))
 
     def __len__(self) -> int:
-        return len(self.cols["rid"])
+        return len(self.rows) // len(_COLUMNS)
 
     def arrays(self) -> dict[str, Any]:
         """numpy columns in request (arrival) order, with `tpot` derived."""
         import numpy as np
 
-        a = {k: np.frombuffer(v, dtype=v.typecode) if len(v) else np.zeros(0, dtype=v.typecode) for k, v in self.cols.items()}
-        order = np.argsort(a["rid"], kind="stable")
-        a = {k: v[order] for k, v in a.items()}
+        table = np.frombuffer(self.rows, dtype=np.float64).reshape(-1, len(_COLUMNS))
+        table = table[np.argsort(table[:, 0], kind="stable")]
+        a = {c: (table[:, i].astype(np.int64) if c in _INTS else table[:, i].copy()) for i, c in enumerate(_COLUMNS)}
         first = a["arrival"] + a["ttft"]
         with np.errstate(invalid="ignore", divide="ignore"):
             a["tpot"] = np.where(a["output"] > 1, (a["last"] - first) / (a["output"] - 1), np.nan)

@@ -7,6 +7,10 @@ functions the real conductor calls): the replica by conversation affinity
 (`resolve_handoff_mode`, `next_handoff_step`). What is not a decision is
 physics: engines (app/sim/engine.py) and links (app/sim/network.py).
 
+A conversation's turns are sequential: a turn due while the previous one
+still runs is sent when that one finishes (an agent waits for the answer),
+and its latencies count from then.
+
 Placement: the client and the conductor sit with the first role of the
 pipeline (prefill, or main_decode when colocated). Tokens and control
 messages from another datacenter pay half the link's base RTT.
@@ -31,7 +35,8 @@ Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import gc
+from collections.abc import Callable, Iterable, Iterator
 
 from app.config import Mode, PDDConfig, RoleName
 from app.policy import (
@@ -48,64 +53,12 @@ from app.policy import (
     resolve_handoff_mode,
 )
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, model_spec
-from app.sim.engine import DONE, RUNNING, Instance, Lease, PrefillJob, Seq
+from app.sim.engine import DONE, Instance, Lease, PrefillJob, Seq
 from app.sim.events import Loop
+from app.sim.jobs import Job, Session
 from app.sim.results import Results
 from app.sim.workload import Request
 
-
-class Session:
-    __slots__ = ("divs", "stream", "prefill", "main", "relay", "last_done", "inflight")
-
-    def __init__(self) -> None:
-        self.divs: list[int] = []
-        """Tokens kept at each context rewrite (see app/sim/cache.usable_tokens)."""
-        self.stream = 0
-        self.prefill: int | None = None
-        self.main: int | None = None
-        self.relay: int | None = None
-        self.inflight = 0
-
-
-class Job:
-    __slots__ = (
-        "rid", "req", "sess", "gen", "pipe", "t_first", "t_last", "gap", "done",
-        "p", "pl", "d", "dl", "r", "rl", "pulls", "seq", "sent", "rounds", "hmode", "cap",
-        "relay_open", "relay_tokens", "t_relay_last", "handed", "wan", "t_prev", "off",
-    )
-
-    def __init__(self, rid: int, req: Request, sess: Session, gen: int):
-        self.rid = rid
-        self.req = req
-        self.sess = sess
-        self.gen = gen
-        self.pipe = Pipeline.colocated
-        self.t_first = -1.0
-        self.t_last = -1.0
-        self.gap = 0.0
-        self.done = False
-        self.p: Instance | None = None
-        self.pl: Lease | None = None
-        self.d: Instance | None = None
-        """The replica that finishes the request (MD, or the PD decoder)."""
-        self.dl: Lease | None = None
-        self.r: Instance | None = None
-        self.rl: Lease | None = None
-        self.pulls = 0
-        self.seq: Seq | None = None
-        self.sent = 0
-        self.rounds = 0
-        self.hmode = None
-        self.cap = 0
-        self.relay_open = False
-        self.relay_tokens = 0
-        self.t_relay_last = -1.0
-        self.handed = False
-        self.wan = 0
-        self.t_prev = -1.0
-        """Client time of the token before the decode in progress (for its first gap)."""
-        self.off = 0.0
-        """One-way latency from the decoding replica to the client."""
 
 
 class Twin:
@@ -133,23 +86,32 @@ class Twin:
         # one-way latency of tokens and control messages from main_decode to the client
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
+        self._cluster_facts: dict[float, ClusterFacts] = {}
         self.sessions: dict[object, Session] = {}
         self.results = Results()
         self.progress = progress
         self.finished = 0
-        self.overlapping_turns = 0
-        self._arrivals: Iterable[Request] | None = None
+        self.delayed_turns = 0
+        self._arrivals: Iterator[Request] = iter(())
+        self._rid = 0
 
     # ---- driving -----------------------------------------------------------------
 
     def run(self, requests: Iterable[Request]) -> Results:
-        it = iter(requests)
-        self._arrivals = it
-        self._rid = 0
+        it = self._arrivals = iter(requests)
         first = next(it, None)
         if first is not None:
             self.loop.at(first.arrival_s, self._arrive, first)
-        self.loop.run()
+        # the run's objects form no reference cycles that outlive a request (the one
+        # job <-> relay sequence link is cut at the end), so the cyclic collector
+        # would only rescan them: it halves the speed on long runs
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.loop.run()
+        finally:
+            if collecting:
+                gc.enable()
         return self.results
 
     def _arrive(self, req: Request) -> None:
@@ -159,12 +121,17 @@ class Twin:
         sess = self.sessions.get(req.session)
         if sess is None:
             sess = self.sessions[req.session] = Session()
+        if sess.busy:
+            sess.waiting.append(req)
+            self.delayed_turns += 1
+            return
+        self._dispatch(req, sess)
+
+    def _dispatch(self, req: Request, sess: Session) -> None:
+        sess.busy = True
         if req.prefix_tokens < sess.stream:
             sess.divs.append(req.prefix_tokens)
         sess.stream = req.prompt_tokens + req.output_tokens
-        if sess.inflight:
-            self.overlapping_turns += 1
-        sess.inflight += 1
         job = Job(self._rid, req, sess, len(sess.divs))
         self._rid += 1
         mode = self.mode
@@ -178,7 +145,10 @@ class Twin:
             self._naive(job)
 
     def _pick(self, pool: list[Instance], sess: Session, attr: str) -> Instance:
-        i = pick_replica(getattr(sess, attr), [inst.active for inst in pool])
+        preferred = getattr(sess, attr)
+        # with a preferred replica the choice reads only how many there are: skip gathering loads
+        loads = pool if preferred is not None else [inst.active for inst in pool]
+        i = pick_replica(preferred, loads)
         setattr(sess, attr, i)
         return pool[i]
 
@@ -186,7 +156,7 @@ class Twin:
         if job.done:
             raise AssertionError(f"request {job.rid} finished twice")
         job.done = True
-        job.sess.inflight -= 1
+        job.seq = None
         req = job.req
         self.results.add(job.rid, req.arrival_s, job.t_first, job.t_last, job.gap, job.pipe, req.prompt_tokens,
                          req.output_tokens, job.pl.hit if job.pl else 0, job.dl.hit if job.dl else 0,
@@ -194,6 +164,10 @@ class Twin:
         self.finished += 1
         if self.progress is not None and not self.finished & 0xFFF:
             self.progress(self.finished)
+        sess = job.sess
+        sess.busy = False
+        if sess.waiting:
+            self._dispatch(sess.waiting.pop(0)._replace(arrival_s=self.loop.now), sess)
 
     def _first_token(self, job: Job, t: float) -> bool:
         """Record the first token; True when it was also the last."""
@@ -244,7 +218,7 @@ class Twin:
         job.pipe = Pipeline.colocated
         req = job.req
         d = job.d = self._pick(self.M, job.sess, "main")
-        job.dl = d.open(req.session, req.prefix_tokens, job.sess.divs)
+        job.dl = job.pl = d.open(req.session, req.prefix_tokens, job.sess.divs)  # one engine: one lease
         self._prefill(job, d, job.dl, req.prompt_tokens + req.output_tokens, self._colocated_first)
 
     def _colocated_first(self, pj: PrefillJob) -> None:
@@ -337,9 +311,12 @@ class Twin:
         relay_loads = [r.relays / r.max_seqs for r in self.R]
         relay_i = pick_replica(None, relay_loads) if relay_loads else 0
         relay_load = relay_loads[relay_i] if relay_loads else 1.0
+        facts = self._cluster_facts.get(relay_load)
+        if facts is None:  # frozen and few distinct loads: built once per load
+            facts = self._cluster_facts[relay_load] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, relay_load, bool(self.R))
         decision = choose_pipeline(
             RequestFacts(req.prompt_tokens, req.output_tokens, md.cached_for(req.session, req.prefix_tokens, sess.divs)),
-            ClusterFacts(self.block_bytes, self.block, self.wan_facts, relay_load, bool(self.R)),
+            facts,
             self.routing,
         )
         job.pipe = pipe = decision.pipeline
@@ -349,7 +326,6 @@ class Twin:
             job.dl = md.open(req.session, req.prefix_tokens, sess.divs)
         if pipe is not Pipeline.p_md:
             r = job.r = self.R[relay_i]
-            sess.relay = relay_i
             job.rl = r.open(req.session, req.prefix_tokens, sess.divs)
             r.relays += 1
             job.relay_open = True

@@ -1,0 +1,212 @@
+"""The twin's physical models in isolation: step times, decode ramps, fitting, caches, links."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.config import AcceleratorSpec, LinkConfig, ModelSpec
+from app.sim.cache import PrefixCache, usable_tokens
+from app.sim.events import Loop
+from app.sim.network import Link
+from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_samples, save_samples
+
+ACC = AcceleratorSpec(peak_tflops=100, memory_bandwidth_gbps=1000, memory_gib=80)
+MODEL = ModelSpec(active_params_b=1, total_params_b=4, weight_bytes_per_param=2, kv_bytes_per_token=1000,
+                  attention_flops_per_token_pair=1e6)
+
+
+# ---- roofline ----------------------------------------------------------------------
+
+def test_roofline_prefill_is_compute_bound_by_hand():
+    r = Roofline(ACC, MODEL, gpus=2)
+    # 1000 new tokens on an empty context: 2e9 FLOP per token, 1000*1001/2 attention pairs
+    flops = 1000 * 2e9 + 500_500 * 1e6
+    memory = 4e9 * 2 + 1000 * 1000  # a 1000-token step reads every weight (4B params x 2 bytes)
+    assert r.step_s(1000, 0, 1000, 500_500) == pytest.approx(max(flops / 200e12, memory / 2000e9), rel=1e-12)
+    assert flops / 200e12 > memory / 2000e9
+
+
+def test_roofline_small_decode_reads_only_active_weights():
+    r = Roofline(ACC, MODEL)
+    # 3 sequences touch 3 x 1B active parameters, under the 4B total
+    assert r.step_s(0, 3, 30_000, 30_000) == pytest.approx((3 * 2e9 + 30_000 * 1000) / 1000e9, rel=1e-12)
+
+
+def test_roofline_efficiency_and_overhead():
+    acc = ACC.model_copy(update={"compute_efficiency": 0.5, "bandwidth_efficiency": 0.25, "step_overhead_ms": 3})
+    r = Roofline(acc, MODEL)
+    assert r.step_s(0, 1, 0, 0) == pytest.approx(2e9 / 250e9 + 0.003, rel=1e-12)
+
+
+def _decode_steps_brute(perf, n: int, k0: float, steps: int) -> list[float]:
+    return [perf.step_s(0, n, k0 + k * n, k0 + k * n) for k in range(steps)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), k0=st.integers(0, 5_000_000), steps=st.integers(1, 300))
+def test_decode_ramp_sums_the_steps_exactly(n, k0, steps):
+    # attention FLOPs high enough that long contexts flip decode to compute-bound mid-ramp
+    model = MODEL.model_copy(update={"attention_flops_per_token_pair": 4e8})
+    perf = Roofline(ACC, model)
+    ramp = DecodeRamp(perf.decode_lines(n, k0))
+    brute = _decode_steps_brute(perf, n, k0, steps)
+    assert ramp.cum(steps) == pytest.approx(math.fsum(brute), rel=1e-9)
+    assert ramp.step(steps - 1) == pytest.approx(brute[-1], rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 200), k0=st.integers(0, 2_000_000), t=st.floats(0, 30))
+def test_decode_ramp_inverse(n, k0, t):
+    ramp = DecodeRamp(Roofline(ACC, MODEL.model_copy(update={"attention_flops_per_token_pair": 4e8})).decode_lines(n, k0))
+    m = ramp.steps_within(t)
+    assert ramp.cum(m) <= t < ramp.cum(m + 1)
+
+
+def test_decode_ramp_rejects_a_zero_step():
+    with pytest.raises(ValueError):
+        DecodeRamp((0.0, 0.0, 0.0, 0.0))
+
+
+# ---- fitting -------------------------------------------------------------------------
+
+def _samples(a, b, c, d, shapes, noise=lambda i: 0.0):
+    return [StepSample(p, s, k, a + b * p + c * s + d * k + noise(i)) for i, (p, s, k) in enumerate(shapes)]
+
+
+SHAPES = [(p, s, k) for p in (0, 32, 256, 1024) for s in (0, 1, 8, 32) for k in (0, 500, 4000) if p or s]
+
+
+def test_fit_recovers_the_generating_coefficients():
+    fitted = fit_from_samples(_samples(4.0, 0.02, 0.7, 0.001, SHAPES, noise=lambda i: 0.01 * ((i * 7919) % 11 - 5) / 5))
+    assert fitted.a_ms == pytest.approx(4.0, abs=0.02)
+    assert fitted.b_ms_per_prefill_token == pytest.approx(0.02, rel=0.01)
+    assert fitted.c_ms_per_decode_seq == pytest.approx(0.7, rel=0.02)
+    assert fitted.d_ms_per_kv_token == pytest.approx(0.001, rel=0.02)
+    assert fitted.step_s(100, 4, 1000) == pytest.approx((4.0 + 2 + 2.8 + 1) / 1000, rel=0.01)
+
+
+def test_fit_never_returns_a_negative_cost():
+    # step time falls with decode_seqs in these samples: that slope is pinned to 0, the rest refitted
+    samples = [StepSample(p, s, 0, 10 + 0.05 * p - 0.5 * s) for p in (0, 100, 400) for s in (1, 4, 8)]
+    fitted = fit_from_samples(samples)
+    assert fitted.c_ms_per_decode_seq == 0
+    assert fitted.b_ms_per_prefill_token == pytest.approx(0.05, rel=0.05)
+    assert min(fitted.a_ms, fitted.b_ms_per_prefill_token, fitted.d_ms_per_kv_token) >= 0
+
+
+def test_fit_needs_samples():
+    with pytest.raises(ValueError):
+        fit_from_samples([StepSample(1, 1, 1, 1.0)])
+
+
+def test_samples_and_model_json_roundtrip(tmp_path):
+    samples = _samples(1.0, 0.1, 0.2, 0.003, SHAPES[:10])
+    path = tmp_path / "steps.json"
+    save_samples(path, samples)
+    assert load_samples(path) == samples
+    fitted = fit_from_samples(load_samples(path))
+    assert FittedPerf.from_json(fitted.to_json()) == fitted
+
+
+def test_fitted_decode_lines_match_its_steps():
+    f = FittedPerf(2.0, 0.01, 0.5, 0.002)
+    ramp = DecodeRamp(f.decode_lines(5, 1000))
+    assert ramp.cum(10) == pytest.approx(math.fsum(f.step_s(0, 5, 1000 + 5 * k) for k in range(10)), rel=1e-12)
+
+
+# ---- prefix cache ----------------------------------------------------------------------
+
+def test_lru_evicts_tail_blocks_of_the_oldest_entry_first():
+    c = PrefixCache(limit_tokens=100, block_size=10)
+    c.put("a", 55, 0)  # whole blocks only: 50
+    c.put("b", 40, 0)
+    assert (c.used, c.peek("a")) == (90, (50, 0))
+    c.put("c", 30, 0)  # 20 over: a loses its last two blocks
+    assert c.peek("a") == (30, 0) and c.peek("b") == (40, 0) and c.used == 100
+    c.put("a", 30, 1)  # touching a makes b the oldest
+    c.put("d", 40, 0)
+    assert c.peek("b") is None and c.peek("c") == (30, 0) and c.used == 100
+    assert c.evicted_tokens == 20 + 40
+
+
+def test_pinned_entries_survive_eviction_and_are_shared():
+    c = PrefixCache(limit_tokens=60, block_size=10)
+    c.put("a", 30, 0)
+    c.put("b", 30, 0)
+    assert c.pin("a") == (30, 0)
+    assert c.pin("a") == (30, 0)  # a concurrent turn shares the blocks
+    c.put("c", 30, 0)  # must evict: b, not the pinned (older) a
+    assert c.peek("a") == (30, 0) and c.peek("b") is None
+    c.release("a", 50, 1, pinned=True)
+    assert c.peek("a") == (50, 1) and "a" in c.pinned
+    c.release("a", 50, 1, pinned=True)
+    assert "a" not in c.pinned and c.held == 0
+    assert c.used <= 60
+
+
+def test_shrinking_the_limit_evicts():
+    c = PrefixCache(limit_tokens=100, block_size=10)
+    c.put("a", 100, 0)
+    c.set_limit(35)
+    assert c.peek("a") == (30, 0)
+
+
+def test_usable_tokens_stop_at_a_later_rewrite():
+    # entry written at generation 0; the conversation was rewritten keeping 40 tokens
+    assert usable_tokens(100, 0, 500, [40]) == 40
+    assert usable_tokens(100, 1, 500, [40]) == 100  # written after the rewrite
+    assert usable_tokens(100, 1, 70, [40]) == 70  # never more than the prompt shares
+
+
+# ---- links -----------------------------------------------------------------------------
+
+def _link(loop: Loop, mbps: float = 8.0, rtt_ms: float = 0.0) -> Link:
+    return Link(loop, LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms))
+
+
+def test_two_concurrent_flows_each_get_half_the_bandwidth():
+    loop = Loop()
+    link = _link(loop)  # 8 Mb/s = 1e6 bytes/s
+    done = {}
+    link.send(1_000_000, lambda k: done.setdefault(k, loop.now), "x")
+    link.send(1_000_000, lambda k: done.setdefault(k, loop.now), "y")
+    loop.run()
+    assert done["x"] == pytest.approx(2.0) and done["y"] == pytest.approx(2.0)
+    assert link.bytes == 2_000_000
+
+
+def test_processor_sharing_with_a_late_flow():
+    loop = Loop()
+    link = _link(loop)
+    done = {}
+    link.send(1_000_000, lambda k: done.setdefault(k, loop.now), "long")
+    loop.at(0.5, lambda _: link.send(250_000, lambda k: done.setdefault(k, loop.now), "short"))
+    loop.run()
+    # alone for 0.5 s (500 kB), then half rate each: short needs 0.5 s, long has 250 kB left alone
+    assert done["short"] == pytest.approx(1.0)
+    assert done["long"] == pytest.approx(1.25)
+
+
+def test_rtt_is_paid_before_the_bytes_and_empty_pulls_are_free():
+    loop = Loop()
+    link = _link(loop, rtt_ms=40)
+    done = {}
+    link.send(500_000, lambda k: done.setdefault(k, loop.now), "x")
+    link.send(0, lambda k: done.setdefault(k, loop.now), "empty")
+    loop.run()
+    assert done == {"empty": 0.0, "x": pytest.approx(0.04 + 0.5)}
+    assert link.transfers == 1
+
+
+def test_a_fast_link_with_many_flows_terminates():
+    loop = Loop()
+    link = _link(loop, mbps=3_200_000)
+    ends = []
+    for i in range(200):
+        loop.at(i * 1e-4, lambda size: link.send(size, lambda _: ends.append(loop.now), None), 123_457 + i * 977)
+    loop.run()
+    assert len(ends) == 200

@@ -1,0 +1,170 @@
+"""Workloads, trace replay, summaries, the goodput search and the `pdd sim` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from app.config import Mode
+from app.sim import AgenticWorkload, Request, goodput_search, read_trace, simulate, write_trace
+from app.sim.cluster import cost_per_hour, derive
+from app.sim.run import agentic_at
+from app.sim.workload import fixed_hit, hit_rate
+from tests.unit.test_sim_twin import tiny_args, tiny_config
+
+SMALL = AgenticWorkload(requests=400, rps=2.0, seed=3, first_prompt_median=3000, max_context_tokens=16000,
+                        output_median=60, think_time_min_s=2, think_time_mean_s=3, turns_min=3, turns_max=8)
+
+
+def test_generator_follows_its_settings():
+    reqs = list(AgenticWorkload(requests=20_000, rps=5, seed=1).generate())
+    arrivals = np.array([r.arrival_s for r in reqs])
+    assert np.all(np.diff(arrivals) >= 0) and arrivals[0] >= 0
+    assert len(reqs) / arrivals[-1] == pytest.approx(5, rel=0.1)
+    hits = np.array([hit_rate(r) for r in reqs])
+    # PDD.md: ~90% on average, 70-80% of turns above 95%, a low-hit tail of a few percent
+    assert 0.86 < hits.mean() < 0.93
+    assert 0.7 < np.mean(hits > 0.95) < 0.8
+    assert 0.02 < np.mean(hits < 0.5) < 0.06
+    assert max(r.prompt_tokens for r in reqs) <= 65_536
+
+
+def test_fixed_hit_workload_pins_follow_up_hits():
+    reqs = list(fixed_hit(SMALL, 0.7).generate())
+    follow = [r for r in reqs if r.prefix_tokens > 0]
+    assert follow and all(hit_rate(r) == pytest.approx(0.7, abs=0.01) for r in follow)
+
+
+def test_trace_roundtrip_replays_the_same_run(tmp_path):
+    reqs = list(SMALL.generate())
+    path = tmp_path / "trace.jsonl"
+    assert write_trace(path, reqs) == len(reqs)
+    assert list(read_trace(path)) == reqs
+    config = tiny_config("pdd")
+    a = simulate(config, reqs).results.arrays()
+    b = simulate(config, path).results.arrays()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_trace_fields_are_checked(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"arrival_s": 1, "session": 1, "prompt_tokens": 10, "prefix_tokens": 20, "output_tokens": 1}) + "\n")
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        list(read_trace(path))
+    path.write_text("".join(json.dumps({"arrival_s": t, "session": 1, "prompt_tokens": 10, "prefix_tokens": 0, "output_tokens": 1}) + "\n" for t in (2, 1)))
+    with pytest.raises(ValueError, match="back in time"):
+        list(read_trace(path))
+
+
+def test_turns_of_a_conversation_wait_for_each_other():
+    # the second turn is due before the first can finish: it goes out when the first ends
+    reqs = [Request(0.0, "s", 4000, 0, 300), Request(0.01, "s", 4400, 4300, 5)]
+    run = simulate(tiny_config("colocated"), reqs)
+    first, second = run.records()
+    assert run.delayed_turns == 1
+    end_of_first = first.arrival_s + first.ttft_s + first.tpot_s * (first.output_tokens - 1)
+    assert second.arrival_s == pytest.approx(end_of_first, rel=1e-9)
+    assert second.prefill_hit_tokens == 4288  # and reuses everything the first left
+
+
+def test_summary_counts_slo_and_cost():
+    config = tiny_config("pdd")
+    s = simulate(config, SMALL).summary(warmup=0.0)
+    assert s.requests == SMALL.requests
+    assert s.cost_per_hour == cost_per_hour(config) == 2.0 + 2.0 + 3.0
+    assert s.sla_goodput_rps == pytest.approx(s.slo_attainment * s.offered_rps)
+    assert s.bcr == pytest.approx(s.sla_goodput_rps / s.cost_per_hour)
+    assert sum(s.pipelines.values()) == s.requests
+    strict = derive(config, slo=config.slo.model_copy(update={"ttft_ms": 1e-3}))
+    assert simulate(strict, SMALL).summary(warmup=0.0).slo_attainment == 0
+
+
+def test_mode_cost_counts_only_the_roles_it_uses():
+    config = tiny_config("pdd")
+    assert cost_per_hour(config, Mode.pd_cross_dc_naive) == 2.0 + 3.0
+    assert cost_per_hour(config, Mode.colocated) == 3.0
+
+
+def _search(config, template=SMALL):
+    return goodput_search(config, agentic_at(template.model_copy(update={"requests": 250})), lo=0.5, rel_tol=0.1, max_runs=12)
+
+
+def test_goodput_search_brackets_the_answer():
+    config = tiny_config("pdd", slo={"ttft_ms": 300, "tpot_ms": 100, "max_gap_ms": 2000})
+    found = _search(config)
+    assert found.rps > 0 and found.summary is not None and found.summary.meets(config.slo)
+    failed_above = [r for r, _, ok in found.probes if not ok and r > found.rps]
+    assert failed_above and min(failed_above) / found.rps <= 1.1 + 1e-9
+
+
+def test_goodput_search_is_monotone_in_slo_and_capacity():
+    tight = tiny_config("pdd", slo={"ttft_ms": 300, "tpot_ms": 100, "max_gap_ms": 2000})
+    loose = derive(tight, slo=tight.slo.model_copy(update={"ttft_ms": 1000}))
+    bigger = derive(tight, roles=tiny_config("pdd", roles__prefill__replicas=3).roles)
+    r_tight, r_loose, r_bigger = (_search(c).rps for c in (tight, loose, bigger))
+    assert 0 < r_tight < r_loose
+    assert r_tight < r_bigger
+
+
+def _config_file(tmp_path, mode="pdd"):
+    doc = {"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": tiny_args(mode)}]}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_cli_prints_the_table_and_writes_plots(tmp_path):
+    from app.sim.cli import cli
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--requests", "200", "--rps", "2",
+                                      "--compare", "pd_cross_dc_naive", "--out", str(out), "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    for figure in ("TTFT p99", "TPOT p90", "worst gap", "SLA goodput", "GPU cost", "BCR", "WAN (Gbps)"):
+        assert figure in result.output
+    doc = json.loads((tmp_path / "f.json").read_text())
+    assert set(doc["runs"]) == {"pdd", "pd_cross_dc_naive"}
+    assert doc["runs"]["pdd"]["cost_per_hour"] == 7.0 and doc["runs"]["pd_cross_dc_naive"]["cost_per_hour"] == 5.0
+    assert (out / "sim_ttft_cdf.png").stat().st_size > 0
+
+
+def test_cli_search_sweep_and_trace(tmp_path):
+    from app.sim.cli import cli
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, SMALL.model_copy(update={"requests": 150}).generate())
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(trace), "--search", "--out", str(out),
+                                      "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    assert "highest RPS meeting the SLO" in result.output
+    assert json.loads((tmp_path / "f.json").read_text())["search"]["pdd"]["rps"] > 0
+    settings = tmp_path / "w.yaml"
+    settings.write_text(yaml.safe_dump({"first_prompt_median": 2000, "max_context_tokens": 8000, "turns_max": 5, "turns_min": 2}))
+    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(settings), "--requests", "120",
+                                      "--sweep-hit", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "sim_bathtub.png").stat().st_size > 0
+
+
+def test_cli_names_a_missing_spec(tmp_path):
+    from app.sim.cli import cli
+
+    args = tiny_args()
+    del args["model"]["spec"]
+    path = tmp_path / "nospec.yaml"
+    path.write_text(yaml.safe_dump(args))
+    result = CliRunner().invoke(cli, [str(path), "--requests", "10"])
+    assert result.exit_code == 2 and "model.spec" in result.output
+
+
+def test_pdd_command_has_sim():
+    from app.cli import main
+
+    result = CliRunner().invoke(main, ["sim", "--help"])
+    assert result.exit_code == 0 and "--workload" in result.output

@@ -1,0 +1,284 @@
+"""The twin end to end: closed-form cases, conservation, determinism, policy parity."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import app.policy
+import app.sim.twin
+from app.config import Mode, PDDConfig
+from app.policy import Pipeline
+from app.sim import simulate
+from app.sim.workload import AgenticWorkload, Request
+
+# Round figures so the closed-form cases can be written by hand.
+FLOPS = 100e12          # 100 TFLOP/s, efficiency 1
+BW = 1000e9             # 1 TB/s
+FLOP_PER_TOKEN = 2e9    # 1B active parameters
+WEIGHTS = 2e9           # 1B parameters x 2 bytes (dense: active == total)
+ATTN = 1e6              # FLOPs per (query, key) pair
+KVB = 1000              # KV bytes per token
+BLOCK = 16
+WAN_BPS = 1000e6 / 8    # 1 Gb/s
+RTT = 0.020
+
+
+def tiny_args(mode: str = "pdd") -> dict[str, Any]:
+    spec = {"peak_tflops": FLOPS / 1e12, "memory_bandwidth_gbps": BW / 1e9, "memory_gib": 16}
+    return {
+        "mode": mode,
+        "model": {"block_size": BLOCK, "max_model_len": 65536,
+                  "spec": {"active_params_b": 1, "weight_bytes_per_param": 2, "kv_bytes_per_token": KVB,
+                           "attention_flops_per_token_pair": ATTN}},
+        "node_groups": {
+            "a": {"datacenter": "dc-a", "accelerator": "X", "num_gpus": 1, "cost_per_hour": 2.0, "spec": spec},
+            "b": {"datacenter": "dc-b", "accelerator": "Y", "num_gpus": 1, "cost_per_hour": 3.0, "spec": spec},
+        },
+        "roles": {
+            "prefill": {"node_group": "a", "replicas": 1, "engine": {"max_num_batched_tokens": 8192}},
+            "relay_decode": {"node_group": "a", "replicas": 1},
+            "main_decode": {"node_group": "b", "replicas": 1},
+        },
+        "links": [
+            {"between": ["dc-a", "dc-a"], "bandwidth_mbps": 100_000, "rtt_ms": 0.1},
+            {"between": ["dc-a", "dc-b"], "bandwidth_mbps": WAN_BPS * 8 / 1e6, "rtt_ms": RTT * 1000},
+        ],
+        "slo": {"ttft_ms": 2000, "tpot_ms": 100, "max_gap_ms": 2000},
+    }
+
+
+def tiny_config(mode: str = "pdd", **changes: Any) -> PDDConfig:
+    args = tiny_args(mode)
+    for path, value in changes.items():
+        node = args
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return PDDConfig.model_validate(args)
+
+
+def prefill_s(tokens: int, ctx: int = 0) -> float:
+    pairs = tokens * ctx + tokens * (tokens + 1) / 2
+    compute = (tokens * FLOP_PER_TOKEN + pairs * ATTN) / FLOPS
+    memory = (WEIGHTS + (ctx + tokens) * KVB) / BW
+    return max(compute, memory)
+
+
+def decode_s(ctx: int) -> float:
+    """One decode step of a lone sequence attending to `ctx` tokens (memory-bound here)."""
+    return max((FLOP_PER_TOKEN + ctx * ATTN) / FLOPS, (WEIGHTS + ctx * KVB) / BW)
+
+
+def only(run) -> Any:
+    (r,) = run.records()
+    return r
+
+
+# ---- closed-form cases: one request on idle instances and idle links ---------------------
+
+def test_colocated_one_request_by_hand():
+    r = only(simulate(tiny_config("colocated"), [Request(0.0, "s", 1000, 0, 4)]))
+    assert r.pipeline is Pipeline.colocated
+    assert r.ttft_s == pytest.approx(prefill_s(1000), rel=1e-12)
+    # the three decode steps attend to 1001, 1002, 1003 tokens
+    assert r.tpot_s == pytest.approx((decode_s(1001) + decode_s(1002) + decode_s(1003)) / 3, rel=1e-12)
+    assert r.max_gap_s == pytest.approx(decode_s(1003), rel=1e-12)
+
+
+def test_chunked_prefill_by_hand():
+    config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
+    r = only(simulate(config, [Request(0.0, "s", 1200, 0, 1)]))
+    assert r.ttft_s == pytest.approx(prefill_s(512) + prefill_s(512, 512) + prefill_s(176, 1024), rel=1e-12)
+
+
+def test_p_md_one_request_transfer_by_hand():
+    r = only(simulate(tiny_config("pdd"), [Request(0.0, "s", 1000, 0, 4)]))
+    assert r.pipeline is Pipeline.p_md
+    blocks = math.ceil(1000 / BLOCK)
+    transfer = RTT + blocks * BLOCK * KVB / WAN_BPS
+    assert r.wan_bytes == blocks * BLOCK * KVB
+    assert r.ttft_s == pytest.approx(prefill_s(1000), rel=1e-12)
+    # token 2 from MD: after the WAN pull and one decode step, plus half an RTT to the client
+    assert r.max_gap_s == pytest.approx(transfer + decode_s(1001) + RTT / 2, rel=1e-9)
+    decode = decode_s(1001) + decode_s(1002) + decode_s(1003)
+    assert r.tpot_s == pytest.approx((transfer + decode + RTT / 2) / 3, rel=1e-9)
+
+
+def test_naive_cross_dc_first_token_waits_for_the_whole_kv():
+    r = only(simulate(tiny_config("pd_cross_dc_naive"), [Request(0.0, "s", 1000, 0, 3)]))
+    assert r.pipeline is Pipeline.p_d_naive
+    transfer = RTT + math.ceil(1000 / BLOCK) * BLOCK * KVB / WAN_BPS
+    # the decoder computes token 1's KV (producing token 2), then both reach the client
+    assert r.ttft_s == pytest.approx(prefill_s(1000) + transfer + prefill_s(1, 1000) + RTT / 2, rel=1e-9)
+
+
+def test_pd_intra_dc_pulls_over_the_intra_link():
+    r = only(simulate(tiny_config("pd_intra_dc"), [Request(0.0, "s", 1000, 0, 2)]))
+    assert r.pipeline is Pipeline.p_d and r.wan_bytes == 0
+    intra = 0.0001 + math.ceil(1000 / BLOCK) * BLOCK * KVB / (100_000e6 / 8)
+    assert r.max_gap_s == pytest.approx(intra + decode_s(1001), rel=1e-9)
+
+
+# ---- PDD behaviour ----------------------------------------------------------------------
+
+def test_relay_masks_a_long_transfer_and_hands_over():
+    # a 1 ms threshold forces the relay; a slow WAN makes the relay produce many eager tokens
+    slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 4000},
+                         links=slow_wan)
+    r = only(simulate(config, [Request(0.0, "s", 4000, 0, 1200)]))
+    assert r.pipeline is Pipeline.p_rld_md
+    assert 0 < r.relay_tokens < 1199
+    transfer = 0.02 + math.ceil(4000 / BLOCK) * BLOCK * KVB / (20e6 / 8)
+    assert r.max_gap_s < transfer / 5  # the relay hid the transfer from the stream
+    # a cap below what the transfer needs: RLD stops and the stream waits for MD
+    capped = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 100},
+                         links=slow_wan)
+    c = only(simulate(capped, [Request(0.0, "s", 4000, 0, 1200)]))
+    assert c.relay_tokens == 100 and c.max_gap_s > transfer / 2
+
+
+def test_catch_up_rounds_go_through_policy(monkeypatch):
+    steps = []
+    real = app.sim.twin.next_handoff_step
+
+    def spy(pending, rounds, mode, handoff):
+        step = real(pending, rounds, mode, handoff)
+        steps.append((pending, rounds, mode.value, step.value))
+        return step
+
+    monkeypatch.setattr(app.sim.twin, "next_handoff_step", spy)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1},
+                         handoff={"mode": "catch_up", "catch_up_threshold_tokens": 8, "relay_cap_tokens": 4000},
+                         links=[tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}])
+    r = only(simulate(config, [Request(0.0, "s", 4000, 0, 2000)]))
+    assert r.pipeline is Pipeline.p_rld_md
+    assert steps[0][3] == "catch_up" and steps[-1][3] == "final"
+    assert [s[1] for s in steps] == list(range(len(steps)))
+
+
+def test_singular_filter_finishes_on_the_relay():
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1, "singular": {"min_prompt_tokens": 2000, "max_output_tokens": 8}})
+    run = simulate(config, [Request(0.0, "s", 4000, 0, 4), Request(0.0, "t", 4000, 0, 40)])
+    pipes = {r.output_tokens: r.pipeline for r in run.records()}
+    assert pipes == {4: Pipeline.p_rld, 40: Pipeline.p_rld_md}
+
+
+def test_decode_side_cache_cuts_wan_bytes_on_follow_up_turns():
+    turns = [Request(0.0, "s", 8000, 0, 100), Request(30.0, "s", 8300, 8100, 100)]
+    pdd = simulate(tiny_config("pdd"), turns).records()
+    naive = simulate(tiny_config("pd_cross_dc_naive"), turns).records()
+    # MD holds turn 1's prompt and output: only the new tail's blocks cross
+    assert pdd[1].decode_hit_tokens == 8096
+    assert pdd[1].wan_bytes == math.ceil((8300 - 8096) / BLOCK) * BLOCK * KVB
+    assert naive[1].wan_bytes == math.ceil(8300 / BLOCK) * BLOCK * KVB
+    assert pdd[1].prefill_hit_tokens == 8000  # P held the previous prompt only
+
+
+# ---- conservation and determinism -------------------------------------------------------
+
+requests_st = st.lists(
+    st.tuples(st.floats(0, 20), st.integers(0, 4), st.integers(1, 20_000), st.floats(0, 1), st.integers(1, 700)),
+    min_size=1, max_size=30,
+)
+
+
+@pytest.mark.parametrize("mode", [m.value for m in Mode])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=requests_st, handoff=st.sampled_from(["one_shot", "catch_up", "auto"]), threshold=st.sampled_from([1, 300, 5000]))
+def test_every_request_finishes_exactly_once(mode, raw, handoff, threshold):
+    reqs = [Request(t, s, p, int(h * p), o) for t, s, p, h, o in sorted(raw)]
+    config = tiny_config(mode, routing={"max_wan_transfer_ms": threshold},
+                         handoff={"mode": handoff, "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64},
+                         roles__main_decode__engine={"max_num_seqs": 3, "kv_cache_gib": 1})
+    run = simulate(config, reqs)
+    a = run.results.arrays()
+    assert sorted(a["rid"].tolist()) == list(range(len(reqs)))
+    assert np.all(a["ttft"] > 0) and np.all(a["gap"] >= 0)
+    assert np.all(a["last"] >= a["arrival"] + a["ttft"] - 1e-12)
+    for inst in [i for pool in _pools(config, reqs) for i in pool]:
+        assert inst.n == 0 and inst.reserved == 0 and inst.active == 0 and not inst.prefill_q
+
+
+def _pools(config, reqs):
+    twin = app.sim.twin.Twin(config)
+    twin.run(reqs)
+    return twin.cluster.pools.values()
+
+
+def test_same_seed_same_run_other_seed_other_draws():
+    config = tiny_config("pdd", links=[tiny_args()["links"][0],
+                                       {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 1000, "rtt_ms": 20,
+                                        "jitter": {"distribution": "exponential", "mean_ms": 30}}])
+    w = AgenticWorkload(requests=300, rps=2, seed=7, first_prompt_median=3000, max_context_tokens=16000, think_time_min_s=1, think_time_mean_s=2)
+    a = simulate(config, w, seed=1).results.arrays()
+    b = simulate(config, w, seed=1).results.arrays()
+    c = simulate(config, w, seed=2).results.arrays()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["gap"], c["gap"])
+
+
+def test_workload_generator_is_seeded():
+    w = AgenticWorkload(requests=500, rps=3, seed=11)
+    assert list(w.generate()) == list(w.generate())
+    assert list(w.generate()) != list(w.model_copy(update={"seed": 12}).generate())
+
+
+# ---- policy parity ----------------------------------------------------------------------
+
+def test_twin_calls_the_policy_module_itself():
+    for name in ("choose_pipeline", "blocks_missing", "next_handoff_step", "relay_cap", "resolve_handoff_mode", "pick_replica"):
+        assert getattr(app.sim.twin, name) is getattr(app.policy, name)
+
+
+def test_policy_swapped_in_changes_the_twin(monkeypatch):
+    real = app.policy.choose_pipeline
+
+    def always_relay(req, cluster, routing):
+        d = real(req, cluster, routing)
+        return type(d)(Pipeline.p_rld_md, d.blocks_to_send, d.expected_wan_ms, d.md_hit_rate, "forced")
+
+    monkeypatch.setattr(app.sim.twin, "choose_pipeline", always_relay)
+    run = simulate(tiny_config("pdd"), [Request(0.0, "s", 500, 0, 50)])
+    assert only(run).pipeline is Pipeline.p_rld_md
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=requests_st, threshold=st.floats(0, 400), min_hit=st.one_of(st.none(), st.floats(0, 1)))
+def test_pipeline_choices_equal_policy_on_the_same_facts(monkeypatch, raw, threshold, min_hit):
+    calls = []
+    real = app.policy.choose_pipeline
+
+    def record(req, cluster, routing):
+        d = real(req, cluster, routing)
+        calls.append((req, cluster, routing, d))
+        return d
+
+    monkeypatch.setattr(app.sim.twin, "choose_pipeline", record)
+    reqs = [Request(t, s, p, int(h * p), o) for t, s, p, h, o in sorted(raw)]
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": threshold, "min_hit_rate": min_hit})
+    records = simulate(config, reqs).records()
+    assert len(calls) == len(records)
+    for (req, cluster, routing, decision), rec in zip(calls, records):
+        # the facts are the request's and the cluster's, and the twin took the decision as made
+        assert (req.prompt_tokens, req.max_tokens) == (rec.prompt_tokens, rec.output_tokens)
+        assert cluster.block_size == BLOCK and cluster.kv_bytes_per_block == BLOCK * KVB
+        assert cluster.wan.bandwidth_bytes_per_s == pytest.approx(WAN_BPS) and cluster.wan.rtt_s == pytest.approx(RTT)
+        assert real(req, cluster, routing).pipeline is decision.pipeline is rec.pipeline
+        if rec.pipeline is not Pipeline.p_rld:
+            assert req.md_cached_tokens - req.md_cached_tokens % BLOCK == rec.decode_hit_tokens
+
+
+def test_tiny_config_is_valid_in_every_mode():
+    for mode in Mode:
+        assert tiny_config(mode.value).mode is mode
+    assert copy.deepcopy(tiny_args()) == tiny_args()
