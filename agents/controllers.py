@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from agents.knobs import limit
-from app.config import KnobBounds
+from app.config import KnobBounds, PDDConfig, RoleName
 
 #: Moves smaller than this share of max_step are not worth a change.
 DEADBAND = 0.1
@@ -70,3 +70,10 @@ def regressed(before: float | None, after: float | None, tolerance: float, floor
 
 def replica_cost(counts: dict[str, int], cost_per_hour: dict[str, float]) -> float:
     return sum(n * cost_per_hour.get(role, 0.0) for role, n in counts.items())
+
+
+def fleet_cost(config: PDDConfig, replicas: dict[str, int]) -> float:
+    """$/h of the fleet: `replicas` (role name -> count; roles it does not name at their configured count)."""
+    present = config.roles.present()
+    counts = {role.value: rc.replicas for role, rc in present.items()} | {r: n for r, n in replicas.items() if RoleName(r) in present}
+    return replica_cost(counts, {role.value: config.node_groups[rc.node_group].cost_per_hour for role, rc in present.items()})

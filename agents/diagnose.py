@@ -169,7 +169,7 @@ class _Diagnosis:
             degraded = True
             self.add(WAN_DEGRADATION, f"{link.link}: pulls {link.slowdown:.1f}x slower than the link model, {link.failure_ratio:.0%} failing", [
                 Evidence(query=self.q("kv_seconds_mean_by_link"), value=link.observed_s, note=f"{link.link} mean pull seconds"),
-                Evidence(query="link model: rtt + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds"),
+                Evidence(query="link model: rtt + mean jitter and stall + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds"),
                 Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0]),
                 Evidence(query="failures / pulls", value=link.failure_ratio, threshold=WAN_FAILURES[0]),
                 Evidence(query=self.q("gap_p99"), value=self.snap.gap_p99, note="worst-gap p99 seconds"),

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from agents.observe import Snapshot
-from app.config import PDDConfig, RoleName, SLOConfig
+from app.config import LinkConfig, PDDConfig, RoleName, SLOConfig
 from app.policy import Pipeline
 from app.roles import DEPLOYMENT_NAMES
 
@@ -108,6 +108,17 @@ class LinkHealth:
         return self.observed_s / self.expected_s if self.expected_s > 0 else 1.0
 
 
+def expected_pull_s(link: LinkConfig, nbytes: float) -> float:
+    """Mean seconds of one pull of `nbytes` on the link as configured, when it carries nothing else.
+
+    The configured jitter and stalls are part of the model: a link that
+    behaves exactly as configured must read as slowdown 1, not as degraded.
+    """
+    jitter_ms = link.jitter.mean_ms if link.jitter.distribution != "none" else 0.0
+    stall_ms = link.stall.probability * link.stall.duration_ms
+    return (link.rtt_ms + jitter_ms + stall_ms) / 1000 + nbytes * 8 / (link.bandwidth_mbps * 1e6)
+
+
 def _datacenters_in(label: str, config: PDDConfig) -> list[str]:
     names = {g.datacenter for g in config.node_groups.values()}
     # longest first, so `dc-a` inside `dc-ab` is not mistaken for it
@@ -132,7 +143,7 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
         except KeyError:
             continue
         per_pull = snap.kv_bytes_per_transfer_by_link.get(label, 0.0)
-        expected = link.rtt_ms / 1000 + per_pull * 8 / (link.bandwidth_mbps * 1e6)
+        expected = expected_pull_s(link, per_pull)
         pulls = snap.kv_transfer_rate_by_link.get(label, 0.0)
         fails = snap.kv_failure_rate_by_link.get(label, 0.0)
         out.append(

@@ -48,8 +48,11 @@ from agents.verify import verify
 from agents.whatif import WhatIf
 from app.config import AgentMode, AgentsConfig, LiveKnobs, PDDConfig
 
-#: A rolled-back move stays blocked for this many cooldowns.
+#: A rolled-back move stays blocked for this many cooldowns, doubled for each rollback of
+#: the same move in a row (up to MAX_BLOCK_DOUBLINGS times): otherwise a move that keeps
+#: failing, such as shedding a replica the load still needs, returns every few minutes.
 BLOCK_COOLDOWNS = 3
+MAX_BLOCK_DOUBLINGS = 4
 SCORE_QUERY = "SLO score: max of ttft_p, tpot_p, gap_p over their targets"
 
 
@@ -318,14 +321,21 @@ def build_graph(deps: Deps) -> StateGraph:
                 continue
             del memory.units[v.unit.id]
             if v.outcome == "kept":
+                for c in v.unit.changes:
+                    block = memory.blocked.get(c.target)
+                    if block is not None and block.direction in (0, direction(c)):
+                        del memory.blocked[c.target]  # the move has worked: a later rollback of it starts over
                 for path in v.unit.entries:
                     deps.entries.update(path, at=now, outcome=f"kept after verification ({v.describe()})")
                 continue
             applied, failed = _apply(deps.actuator, v.rollback, knobs)
             for change in applied:
                 memory.last_change[change.target] = now
-                original = change.reverse()
-                memory.blocked[change.target] = Block(until=now + BLOCK_COOLDOWNS * agents.cooldown_s, direction=direction(original))
+                way = direction(change.reverse())
+                last = memory.blocked.get(change.target)
+                strikes = last.strikes + 1 if last is not None and last.direction == way else 1
+                span = BLOCK_COOLDOWNS * agents.cooldown_s * 2 ** min(strikes - 1, MAX_BLOCK_DOUBLINGS)
+                memory.blocked[change.target] = Block(until=now + span, direction=way, strikes=strikes)
             if failed:
                 # keep what did not go back in flight: next tick finds it still worse and tries again
                 stuck = {c.target for c, _ in failed}

@@ -11,7 +11,15 @@ A proposal is accepted only when:
   not blocked by a recent rollback in the same direction;
 - it moves at most `max_step` and stays within bounds (the value is clamped,
   and a proposal that clamps to no change is refused);
-- all accepted knob changes together still form a valid LiveKnobs.
+- all accepted knob changes together still form a valid LiveKnobs;
+- the replica counts after it do not raise the fleet's cost past
+  `agents.max_cost_per_hour`;
+- the other proposals of its group (a replica moved between roles) are
+  accepted too;
+- it belongs to the tick's first situation with an accepted change: the
+  changes of one tick are verified, and rolled back, as one unit, so a unit
+  holds one situation's changes and a rollback never takes an unrelated
+  change with it.
 Two proposals for one target in a tick: the more severe one wins.
 """
 
@@ -21,7 +29,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
+from agents.controllers import fleet_cost
+from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_notice, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
 from agents.memory import Memory
 from agents.proposal import Decision, Proposal
 from app.config import AgentsConfig, LiveKnobs, PDDConfig
@@ -89,11 +98,49 @@ def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnob
     return verdict("accepted", note, change)
 
 
+def _within_budget(d: Decision, config: PDDConfig, agents: AgentsConfig, fleet: dict[str, int]) -> Decision:
+    """`d` if the fleet may take its replica change (then `fleet` takes it), else rejected."""
+    change = d.proposal.change
+    after = {**fleet, role_of(change.target).value: int(change.new)}
+    ceiling = agents.max_cost_per_hour
+    cost, before = fleet_cost(config, after), fleet_cost(config, fleet)
+    if ceiling is not None and cost > ceiling + 1e-9 and cost > before:
+        return Decision(proposal=d.proposal, status="rejected", reason=f"over budget: the fleet would cost ${cost:g}/h, ceiling ${ceiling:g}/h")
+    fleet.update(after)
+    return d
+
+
+def _together(decisions: list[Decision]) -> list[Decision]:
+    """A group's accepted proposals wait while any other of the group is not accepted."""
+    blocked = {d.proposal.group: d for d in decisions if d.proposal.group and d.status != "accepted"}
+    out = []
+    for d in decisions:
+        other = blocked.get(d.proposal.group)
+        if d.status == "accepted" and other is not None:
+            d = Decision(proposal=d.proposal, status="held", reason=f"moves together with {other.proposal.change.target}, which is {other.status}: {other.reason}")
+        out.append(d)
+    return out
+
+
+def _one_situation(decisions: list[Decision]) -> list[Decision]:
+    """Accepted changes of the first situation that has one; the others wait for a later tick."""
+    acting = [d for d in decisions if d.status == "accepted" and not is_notice(d.proposal.change.target)]
+    if not acting:
+        return decisions
+    first = acting[0].proposal.situation_key
+    later = {id(d) for d in acting if d.proposal.situation_key != first}
+    return [
+        Decision(proposal=d.proposal, status="held", reason=f"one situation per change unit: {first} goes first") if id(d) in later else d
+        for d in decisions
+    ]
+
+
 def guard(proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float) -> list[Decision]:
     """A decision for every proposal, most severe first."""
     decisions: list[Decision] = []
     taken: dict[str, Proposal] = {}
     accepted_knobs: dict[str, Any] = {}
+    fleet = dict(replicas)
     for p in sorted(proposals, key=lambda p: -p.severity):
         target = p.change.target
         if target in taken:
@@ -110,5 +157,7 @@ def guard(proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig,
                 d = Decision(proposal=d.proposal, status="rejected", reason=f"invalid knobs: {why}")
             else:
                 accepted_knobs = trial
+        elif d.status == "accepted" and kind_of(target) == "replicas":
+            d = _within_budget(d, config, agents, fleet)
         decisions.append(d)
-    return decisions
+    return _one_situation(_together(decisions))

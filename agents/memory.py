@@ -42,6 +42,8 @@ class Block(BaseModel):
     until: float
     direction: int
     """+1 up, -1 down, 0 any change (choices)."""
+    strikes: int = 1
+    """Rollbacks of this move in a row: each one blocks it twice as long as the last."""
 
 
 class Memory(BaseModel):

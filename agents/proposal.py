@@ -24,6 +24,8 @@ class Proposal(BaseModel):
     """How many ticks the situation has lasted (the guard waits for confirm_ticks)."""
     rollback_of: str | None = None
     """Unit id when this proposal undoes a change that made the SLO worse."""
+    group: str = ""
+    """Proposals sharing a group go through together or not at all (a replica moved between roles)."""
 
     @property
     def situation_key(self) -> str:

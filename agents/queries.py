@@ -49,16 +49,14 @@ class QuerySet:
         self.app_name = app_name
         self.matchers = dict(matchers or {})
 
-    def _sel(self, spec: MetricSpec, suffix: str = "", **labels: str) -> str:
-        pairs = {**self.matchers, **labels}
+    def select(self, spec: MetricSpec, suffix: str = "", **labels: str) -> str:
+        """Ours and Serve's series both carry `application`: select this app's."""
+        pairs = {**self.matchers, m.APPLICATION_LABEL: self.app_name, **labels}
         inner = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
-        return f"{prom_name(spec, suffix)}{{{inner}}}" if inner else prom_name(spec, suffix)
-
-    def _serve(self, spec: MetricSpec) -> str:
-        return self._sel(spec, application=self.app_name)
+        return f"{prom_name(spec, suffix)}{{{inner}}}"
 
     def _rate(self, spec: MetricSpec, suffix: str = "", **labels: str) -> str:
-        return f"rate({self._sel(spec, suffix, **labels)}[{self.window}])"
+        return f"rate({self.select(spec, suffix, **labels)}[{self.window}])"
 
     def _quantile(self, q: float, spec: MetricSpec, by: str | None = None) -> str:
         group = f"le,{by}" if by else "le"
@@ -96,15 +94,15 @@ class QuerySet:
             Query("kv_failure_rate_by_link", f"sum by (link) ({r(m.KV_FAILURES)})", "link"),
             Query("relay_tokens_p90", self._quantile(0.9, m.RELAY_TOKENS)),
             Query("singular_rate", f"sum({r(m.SINGULAR)})"),
-            Query("leases_live", f"sum({self._sel(m.LEASES_LIVE)})"),
-            Query("leases_slope", f"sum(deriv({self._sel(m.LEASES_LIVE)}[{self.window}]))"),
+            Query("leases_live", f"sum({self.select(m.LEASES_LIVE)})"),
+            Query("leases_slope", f"sum(deriv({self.select(m.LEASES_LIVE)}[{self.window}]))"),
             Query("slo_violation_rate_by_slo", f"sum by (slo) ({r(m.SLO_VIOLATIONS)})", "slo"),
-            Query("replicas_healthy_by_deployment", f"sum by (deployment) ({self._serve(SERVE_REPLICA_HEALTHY)})", "deployment"),
-            Query("replicas_target_by_deployment", f"max by (deployment) ({self._serve(SERVE_TARGET_REPLICAS)})", "deployment"),
-            Query("ongoing_by_deployment", f"sum by (deployment) ({self._serve(SERVE_PROCESSING)})", "deployment"),
+            Query("replicas_healthy_by_deployment", f"sum by (deployment) ({self.select(SERVE_REPLICA_HEALTHY)})", "deployment"),
+            Query("replicas_target_by_deployment", f"max by (deployment) ({self.select(SERVE_TARGET_REPLICAS)})", "deployment"),
+            Query("ongoing_by_deployment", f"sum by (deployment) ({self.select(SERVE_PROCESSING)})", "deployment"),
             Query(
                 "health_check_failures_by_deployment",
-                f"sum by (deployment) (increase({self._serve(SERVE_HEALTH_CHECK_FAILURES)}[{self.window}]))",
+                f"sum by (deployment) (increase({self.select(SERVE_HEALTH_CHECK_FAILURES)}[{self.window}]))",
                 "deployment",
             ),
         ]

@@ -1,19 +1,26 @@
 """The swarm against the digital twin: the same graph, one tick per call, no I/O.
 
 The twin supplies a Snapshot (its own figures, shaped like Prometheus'
-answers) and applies the returned knobs and replica counts itself. Memory
-(cooldowns, hysteresis, units awaiting verification) stays in the TwinAgent,
-so successive calls behave like successive ticks of the live swarm, including
-rollbacks when the twin's next snapshot shows a regression.
+answers: `snapshot_from_run`) and applies the returned knobs and replica
+counts itself. Memory (cooldowns, hysteresis, units awaiting verification)
+stays in the TwinAgent, so successive calls behave like successive ticks of
+the live swarm, including rollbacks when the twin's next snapshot shows a
+regression. `TwinWhatIf` answers the capacity specialist's what-ifs
+(agents/whatif.py) by simulating the candidate plan.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from agents.actuate import DryRunActuator
 from agents.diagnose import Situation
 from agents.entries import NoEntries
+from agents.figures import deployment
 from agents.graph import Deps, build_graph, new_tick_id
 from agents.knobs import Change
 from agents.memory import InMemoryBackend, Memory
@@ -22,7 +29,11 @@ from agents.proposal import Decision
 from agents.router import Router, RuleRouter
 from agents.verify import Verdict
 from agents.whatif import WhatIf
-from app.config import AgentMode, LiveKnobs, PDDConfig
+from app.config import MODE_ROLES, AgentMode, LiveKnobs, Mode, PDDConfig, RoleName
+from app.kv.link import direction_name
+from app.metrics import RATIO_BUCKETS
+from app.policy import Pipeline
+from app.sim import Request, SimRun, simulate
 
 
 @dataclass
@@ -87,3 +98,202 @@ class TwinAgent:
 def run_tick(config: PDDConfig, snapshot: Snapshot, *, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory | None = None, what_if: WhatIf | None = None) -> TwinTick:
     """One tick as a function: pass the returned `memory` into the next call."""
     return TwinAgent(config, what_if=what_if, memory=memory).tick(snapshot, knobs=knobs, replicas=replicas)
+
+
+def fleet_config(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs) -> PDDConfig:
+    """`config` running `replicas` (role name -> count; roles not named keep theirs) with live `knobs`."""
+    roles = config.roles.model_copy(update={
+        role.value: rc.model_copy(update={"replicas": replicas.get(role.value, rc.replicas)}) for role, rc in config.roles.present().items()
+    })
+    data = {name: getattr(config, name) for name in PDDConfig.model_fields}
+    return PDDConfig.model_validate({**data, "roles": roles, "routing": knobs.routing, "handoff": knobs.handoff})
+
+
+# ---- the twin's run as the agents' Snapshot ---------------------------------------------
+
+#: The role that decodes a request to its end, by pipeline: its prefix hit is the decode-side
+#: hit the real app records. P-RLD is missing: the twin records no hit for RLD there.
+_FINISHER = {
+    Pipeline.p_md: RoleName.main_decode,
+    Pipeline.p_rld_md: RoleName.main_decode,
+    Pipeline.p_d_naive: RoleName.main_decode,
+    Pipeline.colocated: RoleName.main_decode,
+    Pipeline.p_d: RoleName.relay_decode,
+}
+_RELAYED = (Pipeline.p_rld_md.value, Pipeline.p_rld.value)
+#: WAN utilisation at which the queueing estimate of a pull's time stops growing: past it the
+#: backlog outgrows any window, and a finite figure still tells the agents "very slow".
+_MAX_WAN_UTILISATION = 0.95
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    values = values[~np.isnan(values)]
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _by_pipeline(pipes: np.ndarray, values: np.ndarray, q: float) -> dict[str, float]:
+    out = {}
+    for p in np.unique(pipes):
+        v = _pct(values[pipes == p], q)
+        if v is not None:
+            out[str(p)] = v
+    return out
+
+
+def _le(bound: float) -> str:
+    """A histogram bucket's `le` label as Prometheus writes it."""
+    return repr(float(bound))
+
+
+def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: float | None = None, end_s: float | None = None) -> Snapshot:
+    """What Prometheus would answer at `now` about `window_s` seconds of the twin's run.
+
+    `run` is a finished `app.sim.simulate(...)` of `run.config`; the window
+    holds the requests sent in the `window_s` seconds (default
+    `config.slo.window_s`) before `end_s` of simulated time (default: the
+    last request's), so a run simulated with a warm-up first reports warm
+    caches. Give `end_s` as the end of the offered traffic when the cluster
+    may be overloaded: turns held back behind their conversation's previous
+    one are sent late, and past that end they are a backlog, not traffic of
+    the window. Figures follow agents/queries.py: percentiles at
+    `config.slo.percentile` (exact, where Prometheus interpolates buckets),
+    rates per second of the window, gaps and SLO violations counted as
+    app/metrics.py's `record_journey` counts them.
+
+    Where the twin's per-request records are silent, the figure is derived:
+    - requests in progress per deployment (Serve's own gauge), by Little's
+      law over the window: P holds a request from arrival to first token,
+      RLD for its relay tokens at the request's TPOT, the finishing decoder
+      from first to last token;
+    - seconds per WAN pull, from the link model and the window's WAN
+      utilisation rho (processor sharing: RTT + mean jitter and stall +
+      bytes / (bandwidth x (1 - rho))): records carry each request's WAN
+      bytes, not its pull's duration;
+    - intra-datacenter pulls, RLD's prefix hit and KV leases are not in the
+      records: those figures stay unset, as for a query without data.
+    """
+    fleet = run.config
+    slo = config.slo
+    q = slo.percentile
+    window = float(window_s if window_s is not None else slo.window_s)
+    records = run.records()
+    end = end_s if end_s is not None else max((r.arrival_s for r in records), default=0.0)
+    records = [r for r in records if end - window <= r.arrival_s <= end]
+    span = max(min(window, end - min((r.arrival_s for r in records), default=end)), 1e-9)
+
+    def col(name: str) -> np.ndarray:
+        return np.array([getattr(r, name) for r in records], dtype=float)
+
+    pipes = np.array([r.pipeline.value for r in records], dtype=object)
+    finisher = np.array([_FINISHER[r.pipeline].value if r.pipeline in _FINISHER else "" for r in records], dtype=object)
+    ttft, tpot, gap = col("ttft_s"), col("tpot_s"), col("max_gap_s")
+    prompt, output = col("prompt_tokens"), col("output_tokens")
+    p_hit, d_hit, relay, wan = col("prefill_hit_tokens"), col("decode_hit_tokens"), col("relay_tokens"), col("wan_bytes")
+    gap = np.where(output > 1, gap, np.nan)  # one-token answers have no gap (record_journey skips them)
+    steady_tpot = np.nan_to_num(tpot)
+    with_p = pipes != Pipeline.colocated.value
+    relayed = np.isin(pipes, _RELAYED)
+    roles = MODE_ROLES[fleet.mode]
+
+    hits: dict[str, float] = {}
+    if prompt[with_p].sum() > 0:
+        hits[RoleName.prefill.value] = float(np.minimum(p_hit, prompt)[with_p].sum() / prompt[with_p].sum())
+    for role in (RoleName.main_decode, RoleName.relay_decode):
+        mine = finisher == role.value
+        if prompt[mine].sum() > 0:
+            hits[role.value] = float(np.minimum(d_hit, prompt)[mine].sum() / prompt[mine].sum())
+    md = finisher == RoleName.main_decode.value
+    md_ratio = np.minimum(d_hit[md], prompt[md]) / np.maximum(prompt[md], 1)
+    md_buckets = {_le(le): float((md_ratio <= le).sum()) / span for le in RATIO_BUCKETS} if md.any() else {}
+    if md.any():
+        md_buckets["+Inf"] = float(md.sum()) / span
+
+    ongoing: dict[str, float] = {}
+    for role in roles:
+        if role is RoleName.prefill:
+            busy = ttft[with_p].sum()
+        elif role is RoleName.relay_decode and fleet.mode is Mode.pdd:
+            busy = (steady_tpot * relay)[relayed].sum()
+        else:
+            busy = (steady_tpot * np.maximum(output - 1, 0))[finisher == role.value].sum()
+        ongoing[deployment(role)] = float(busy) / span
+    replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in roles}
+
+    kv: dict[str, dict[str, float]] = {"mean": {}, "p90": {}, "bytes": {}, "rate": {}}
+    if RoleName.prefill in roles and RoleName.main_decode in roles:
+        src, dst = fleet.datacenter_of(RoleName.prefill), fleet.datacenter_of(RoleName.main_decode)
+        pulled = wan[wan > 0]
+        if src != dst and len(pulled):
+            link = fleet.link(src, dst)
+            bandwidth = link.bandwidth_mbps * 1e6 / 8
+            rho = min(float(pulled.sum()) / span / bandwidth, _MAX_WAN_UTILISATION)
+            jitter = link.jitter.mean_ms if link.jitter.distribution != "none" else 0.0
+            fixed_s = (link.rtt_ms + jitter + link.stall.probability * link.stall.duration_ms) / 1000
+            seconds = fixed_s + pulled / (bandwidth * (1 - rho))
+            label = direction_name(src, dst)
+            kv["mean"][label] = float(seconds.mean())
+            kv["p90"][label] = float(np.percentile(seconds, 90))
+            kv["bytes"][label] = float(pulled.mean())
+            kv["rate"][label] = len(pulled) / span
+
+    rates = {str(p): float(n) / span for p, n in zip(*np.unique(pipes, return_counts=True))}
+    return Snapshot(
+        at=now,
+        window_s=window,
+        ttft_p_by_pipeline=_by_pipeline(pipes, ttft, q),
+        ttft_p99_by_pipeline=_by_pipeline(pipes, ttft, 99),
+        ttft_p=_pct(ttft, q),
+        tpot_p_by_pipeline=_by_pipeline(pipes, tpot, q),
+        tpot_p=_pct(tpot, q),
+        gap_p99_by_pipeline=_by_pipeline(pipes, gap, 99),
+        gap_p=_pct(gap, q),
+        gap_p99=_pct(gap, 99),
+        request_rate_by_pipeline=rates,
+        prefix_hit_by_role=hits,
+        md_hit_buckets=md_buckets,
+        kv_seconds_mean_by_link=kv["mean"],
+        kv_seconds_p90_by_link=kv["p90"],
+        kv_bytes_per_transfer_by_link=kv["bytes"],
+        kv_transfer_rate_by_link=kv["rate"],
+        kv_failure_rate_by_link={label: 0.0 for label in kv["rate"]},
+        relay_tokens_p90=_pct(relay[relayed], 90),
+        singular_rate=float((pipes == Pipeline.p_rld.value).sum()) / span if fleet.mode is Mode.pdd else None,
+        slo_violation_rate_by_slo={
+            "ttft": float((ttft * 1000 > slo.ttft_ms).sum()) / span,
+            "tpot": float((steady_tpot * 1000 > slo.tpot_ms).sum()) / span,
+            "gap": float((np.nan_to_num(gap) * 1000 > slo.max_gap_ms).sum()) / span,
+        },
+        replicas_healthy_by_deployment=replicas,
+        replicas_target_by_deployment=dict(replicas),
+        ongoing_by_deployment=ongoing,
+        health_check_failures_by_deployment={name: 0.0 for name in replicas},
+    )
+
+
+class TwinWhatIf:
+    """The capacity specialist's what-if (agents/whatif.py), answered by simulating the plan.
+
+    `workload_at(rps)` gives the traffic to replay at a load; answers are the
+    SLO-percentile figures `snapshot_from_run` reports over the window
+    (`window_s` seconds up to `end_s`). Runs are deterministic, so each
+    question is simulated once.
+    """
+
+    def __init__(self, workload_at: Callable[[float], Iterable[Request]], *, window_s: float, end_s: float | None = None, seed: int = 0):
+        self.workload_at = workload_at
+        self.window_s = window_s
+        self.end_s = end_s
+        self.seed = seed
+        self.answers: dict[str, dict[str, float]] = {}
+
+    def __call__(self, config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_rps: float) -> dict[str, float]:
+        key = json.dumps([sorted(replicas.items()), knobs.model_dump(mode="json"), round(load_rps, 3)], sort_keys=True)
+        if key not in self.answers:
+            run = simulate(fleet_config(config, replicas, knobs), self.workload_at(load_rps), seed=self.seed)
+            snap = snapshot_from_run(run, config, 0.0, window_s=self.window_s, end_s=self.end_s)
+            self.answers[key] = {
+                "ttft_ms": (snap.ttft_p or 0.0) * 1000,
+                "tpot_ms": (snap.tpot_p or 0.0) * 1000,
+                "gap_ms": (snap.gap_p or 0.0) * 1000,
+            }
+        return self.answers[key]

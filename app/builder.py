@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from app.config import ConfigError, NodeGroup, PDDConfig, parse_config
 from app.ingress import ConductorIngress
-from app.links import LinkEmulators
+from app.links import LinkEmulators, deployment_name
 from app.roles import ROLE_DEPLOYMENTS
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,36 @@ def actor_options(config: PDDConfig, group_name: str, *, with_accelerators: bool
     return options
 
 
+def engine_placement(config: PDDConfig, group_name: str) -> dict[str, Any]:
+    """Serve options placing one engine replica.
+
+    A replica of several GPUs (tensor parallel) reserves them as a placement
+    group, its actor in the first bundle and one GPU per following bundle, which
+    vLLM's Ray executor then fills with its workers (possibly across nodes, as
+    a 16-GPU replica on 8-GPU nodes needs).
+    """
+    options = actor_options(config, group_name)
+    gpus = int(options.pop("num_gpus", 0))
+    if gpus <= 1:
+        if gpus:
+            options["num_gpus"] = gpus
+        return {"ray_actor_options": options}
+    placed = options.get("resources", {})  # every bundle in the node group's datacenter
+    first = {"CPU": options["num_cpus"], **placed}
+    return {
+        "ray_actor_options": options,
+        "placement_group_bundles": [first] + [{"GPU": 1, **placed}] * gpus,
+        "placement_group_strategy": "PACK",
+    }
+
+
+def light_options(config: PDDConfig, group_name: str) -> dict[str, Any]:
+    """Replicas that move bytes, not tensors: a node group's placement, no accelerator."""
+    options = actor_options(config, group_name, with_accelerators=False)
+    options["num_cpus"] = min(options["num_cpus"], 0.25)
+    return options
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     config = parse_config(args)
     config_dict = config.model_dump(mode="json")
@@ -72,28 +102,27 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             ROLE_DEPLOYMENTS[role]
             .options(
                 num_replicas=rc.replicas,
-                ray_actor_options=actor_options(config, rc.node_group),
                 request_router_config=router,
                 max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
                 health_check_period_s=10,
                 health_check_timeout_s=60,
+                **engine_placement(config, rc.node_group),
             )
             .bind(config_dict)
         )
     home = config.roles.prefill or config.roles.main_decode
     assert home is not None  # every mode needs one of them (validated)
-    light = actor_options(config, home.node_group, with_accelerators=False)
-    light["num_cpus"] = min(light["num_cpus"], 0.25)
-    # the relays sit on the receiving side of the WAN: KV crosses to main_decode's nodes
-    receiver = config.roles.main_decode or home
-    link_options = actor_options(config, receiver.node_group, with_accelerators=False)
-    link_options["num_cpus"] = min(link_options["num_cpus"], 0.25)
-    links = LinkEmulators.options(
-        ray_actor_options=link_options,
-        user_config={"links": [lc.model_dump(mode="json") for lc in config.links]},
-    ).bind()
+    links = {}
+    for dc in sorted({b for lc in config.links for b in lc.between}):
+        group = next((rc.node_group for rc in config.roles.present().values() if config.node_groups[rc.node_group].datacenter == dc), None)
+        if group is None:  # no role there: nothing receives KV in this datacenter
+            continue
+        links[dc] = (
+            LinkEmulators.options(name=deployment_name(dc), ray_actor_options=light_options(config, group), user_config={"links": [lc.model_dump(mode="json") for lc in config.links]})
+            .bind(dc)
+        )
     return ConductorIngress.options(
-        ray_actor_options=light,
+        ray_actor_options=light_options(config, home.node_group),
         user_config=config.live_knobs().model_dump(mode="json"),
     ).bind(config_dict, engines, links)
 

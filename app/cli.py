@@ -14,6 +14,7 @@ from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
 from app import cluster
 from app.config import ConfigError, load_config
+from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
 console = Console()
@@ -23,6 +24,7 @@ main.add_typer(cluster_cli, name="cluster")
 main.add_typer(agents_cli, name="agents")
 main.command("ask")(ask_command)
 main.command("sim")(sim_command)
+main.command("calibrate")(calibrate_command)
 
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")
 
@@ -85,15 +87,33 @@ def dashboard(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path =
     console.print(str(write_dashboard(_load(config_path), output)))
 
 
+@main.command()
+def kuberay(
+    config_path: Path = typer.Argument(Path("serve_configs/gpu_h100_h200.yaml"), help="Serve config of the GPU deployment"),
+    image: str = typer.Option("ghcr.io/pdd-serve/pdd-serve:0.1.0-cuda", help="Container image with pdd-serve and vllm installed"),
+    name: str = typer.Option("pdd-serve", help="RayService name"),
+    prometheus_url: str = typer.Option("http://prometheus:9090", help="Prometheus service the agents query"),
+    output: Path = typer.Option(Path("serve_configs/kuberay/pdd-rayservice.yaml"), "-o", help="Where to write"),
+) -> None:
+    """Write a KubeRay RayService (+ agents Deployment) for a serve config."""
+    from app.kuberay import render
+
+    _load(config_path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(render(config_path, image, name, prometheus_url))
+    console.print(str(output))
+
+
 @cluster_cli.command("up")
 def cluster_up(config_path: Path = typer.Argument(DEFAULT_CONFIG), cpus_per_node: int = typer.Option(8, help="Logical CPUs each Ray node offers")) -> None:
     """Start one Ray node per datacenter of the config (on this host)."""
     config = _load(config_path)
-    if cluster.is_running():
-        console.print("a Ray cluster is already running (use `pdd cluster down` first)")
+    if cluster.is_running(f"{cluster.plan_nodes(config)[0].ip}:{cluster.HEAD_PORT}"):
+        console.print("the cluster is already running (`pdd cluster down` stops it)")
         raise typer.Exit(1)
-    cluster.up(config, cpus_per_node, echo=console.print)
-    console.print(f"dashboard {cluster.DASHBOARD_URL}; for raw ray/serve commands: export RAY_AUTH_MODE=token")
+    started = cluster.up(config, cpus_per_node, echo=console.print)
+    console.print(f"cluster at {started.address}, dashboard {started.dashboard_url}")
+    console.print(f"deploy with: RAY_AUTH_MODE=token serve deploy {config_path}   (raw ray/serve commands need RAY_AUTH_MODE=token)")
 
 
 @cluster_cli.command("down")
@@ -139,10 +159,9 @@ def run(
         from app.devmodel import ensure_devmodel
 
         console.print(f"dev model: {ensure_devmodel()}")
-    started = False
-    if not cluster.is_running():
-        cluster.up(config, echo=console.print)
-        started = True
+    started = None
+    if not cluster.is_running(f"{cluster.plan_nodes(config)[0].ip}:{cluster.HEAD_PORT}"):
+        started = cluster.up(config, echo=console.print)
     try:
         doc = _deploy(config_path)
         http = doc.get("http_options") or {}
@@ -175,8 +194,8 @@ def run(
     except KeyboardInterrupt:
         console.print("stopping")
     finally:
-        if started:
-            cluster.down(echo=console.print)
+        if started is not None:
+            cluster.down(started, echo=console.print)
 
 
 def _start_prometheus(config):

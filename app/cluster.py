@@ -1,10 +1,14 @@
 """A local Ray cluster shaped like the config: one real Ray node per datacenter.
 
 `up` starts a head node for the first datacenter and a worker node for each
-other one (on one host for development, as on many hosts in production), each
-offering its node groups' Ray resources and a datacenter label. Serve's
-throughput mode is on: direct ingress behind HAProxy, so a streamed token does
-not cross Serve's Python proxy.
+other one, each offering its node groups' Ray resources and a datacenter label.
+On one host each node gets its own loopback address (127.0.0.2, 127.0.0.3, ...),
+so nothing can silently assume a single address: KV and tokens really cross
+from one node's address to another's, as between machines. On real machines
+the same `ray start` lines run on each host with its own address (README).
+
+Serve runs in throughput mode: direct ingress behind HAProxy, so a streamed
+token does not cross Serve's Python proxy.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.config import PDDConfig, RoleName
@@ -25,7 +29,8 @@ from app.config import PDDConfig, RoleName
 #: Ray label carrying a node's datacenter (node groups may select on it).
 DATACENTER_LABEL = "pdd.io/datacenter"
 HEAD_PORT = 6379
-DASHBOARD_URL = "http://127.0.0.1:8265"
+DASHBOARD_PORT = 8265
+DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 
 #: Environment for every Ray process we start: Serve's throughput mode, and the
 #: token auth Ray 2.60 turns on for `ray start --head`.
@@ -41,8 +46,8 @@ def ray_bin() -> str:
     return str(local) if local.exists() else (shutil.which("ray") or "ray")
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, **CLUSTER_ENV}
+def env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, **CLUSTER_ENV, **(extra or {})}
 
 
 @dataclass
@@ -50,9 +55,39 @@ class NodePlan:
     datacenter: str
     resources: dict[str, float]
     head: bool
+    ip: str
 
 
-def plan_nodes(config: PDDConfig, cpus_per_node: int) -> list[NodePlan]:
+@dataclass
+class LocalCluster:
+    """The nodes `up` started: their addresses, and how to reach the cluster."""
+
+    nodes: list[NodePlan]
+    gcs_port: int = HEAD_PORT
+    dashboard_port: int = DASHBOARD_PORT
+    client_server_port: int = 10001
+    temp_dir: str = "/tmp/pdd-ray"
+    """Ray's session folder for this cluster alone: `down` finds its processes by it."""
+    cpus_per_node: int = 8
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def head(self) -> NodePlan:
+        return self.nodes[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head.ip}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def node(self, datacenter: str) -> NodePlan:
+        return next(n for n in self.nodes if n.datacenter == datacenter)
+
+
+def plan_nodes(config: PDDConfig, first_ip: int = 2) -> list[NodePlan]:
     """One node per datacenter, offering every resource its node groups ask for.
 
     Resource totals are generous (replicas ask for small fractions) so scaling
@@ -60,59 +95,117 @@ def plan_nodes(config: PDDConfig, cpus_per_node: int) -> list[NodePlan]:
     """
     by_dc: dict[str, dict[str, float]] = defaultdict(dict)
     for group in config.node_groups.values():
-        for name in group.resources:
-            by_dc[group.datacenter][name] = 100.0
+        by_dc[group.datacenter].update({name: 100.0 for name in group.resources})
     order = []
     if config.roles.prefill is not None:
         order.append(config.datacenter_of(RoleName.prefill))
     order += sorted(dc for dc in by_dc if dc not in order)
-    return [NodePlan(dc, dict(by_dc[dc]), head=(i == 0)) for i, dc in enumerate(order)]
+    return [NodePlan(dc, dict(by_dc[dc]), head=(i == 0), ip=f"127.0.0.{first_ip + i}") for i, dc in enumerate(order)]
 
 
-def is_running() -> bool:
+def is_running(address: str = "auto") -> bool:
     try:
-        out = subprocess.run([ray_bin(), "status"], env=env(), capture_output=True, text=True, timeout=30)
+        out = subprocess.run([ray_bin(), "status", f"--address={address}"], env=env(), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0
 
 
-def up(config: PDDConfig, cpus_per_node: int = 8, echo=print) -> list[NodePlan]:
-    """Start the nodes; raises with Ray's own message when a node fails to start."""
-    plans = plan_nodes(config, cpus_per_node)
-    for plan in plans:
-        cmd = [
-            ray_bin(),
-            "start",
-            f"--num-cpus={cpus_per_node}",
-            f"--resources={json.dumps(plan.resources)}",
-            f"--labels={DATACENTER_LABEL}={plan.datacenter}",
-            "--disable-usage-stats",
+def start_node(cluster: LocalCluster, plan: NodePlan, echo=print) -> None:
+    cmd = [
+        ray_bin(),
+        "start",
+        f"--node-ip-address={plan.ip}",
+        f"--num-cpus={cluster.cpus_per_node}",
+        f"--resources={json.dumps(plan.resources)}",
+        f"--labels={DATACENTER_LABEL}={plan.datacenter}",
+        f"--temp-dir={cluster.temp_dir}",
+        "--disable-usage-stats",
+    ]
+    if plan.head:
+        cmd += [
+            "--head",
+            f"--port={cluster.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={cluster.dashboard_port}",
+            f"--ray-client-server-port={cluster.client_server_port}",
         ]
-        cmd += ["--head", f"--port={HEAD_PORT}", "--dashboard-host=127.0.0.1"] if plan.head else [f"--address=127.0.0.1:{HEAD_PORT}"]
-        echo(f"starting Ray {'head' if plan.head else 'worker'} node for {plan.datacenter} ({', '.join(plan.resources) or 'no resources'})")
-        out = subprocess.run(cmd, env=env(), capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return plans
+    else:
+        cmd += [f"--address={cluster.address}"]
+    echo(f"starting Ray {'head' if plan.head else 'worker'} node for {plan.datacenter} at {plan.ip} ({', '.join(plan.resources) or 'no resources'})")
+    out = subprocess.run(cmd, env=env(cluster.extra_env), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
 
 
-def down(echo=print) -> None:
-    subprocess.run([ray_bin(), "stop", "--force"], env=env(), capture_output=True, text=True)
+def up(config: PDDConfig, cpus_per_node: int = 8, echo=print, **cluster_options) -> LocalCluster:
+    """Start the nodes; raises with Ray's own message when a node fails to start."""
+    cluster = LocalCluster(plan_nodes(config), cpus_per_node=cpus_per_node, **cluster_options)
+    for plan in cluster.nodes:
+        start_node(cluster, plan, echo)
+    _record().write_text(json.dumps({"temp_dir": cluster.temp_dir, "address": cluster.address, "dashboard": cluster.dashboard_url}))
+    return cluster
+
+
+def _record() -> Path:
+    return state_dir() / "cluster.json"
+
+
+def kill_node(cluster: LocalCluster, datacenter: str) -> int:
+    """Stop one node the hard way, as if its machine died: its Ray daemons and every
+    process they started (replicas, vLLM engines) at once."""
+    import psutil
+
+    ip = cluster.node(datacenter).ip
+    victims: set[int] = set()
+    for pid, cmdline in _processes():
+        if cluster.temp_dir in cmdline and (f"--node_ip_address={ip}" in cmdline or f"--node-ip-address={ip}" in cmdline):
+            victims.add(pid)
+            try:
+                victims.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    return sum(_kill(pid) for pid in victims)
+
+
+def down(cluster: LocalCluster | None = None, echo=print) -> None:
+    """Stop `cluster`, or the one `up` started last: only its processes (other Ray
+    clusters on this host live on). With neither: `ray stop`."""
+    temp_dir = cluster.temp_dir if cluster is not None else None
+    if temp_dir is None and _record().exists():
+        temp_dir = json.loads(_record().read_text())["temp_dir"]
+    if temp_dir is None:
+        subprocess.run([ray_bin(), "stop", "--force"], env=env(), capture_output=True, text=True)
+    else:
+        for pid, cmdline in _processes():
+            if temp_dir in cmdline:
+                _kill(pid)
+        _record().unlink(missing_ok=True)
+    time.sleep(1)  # let the engines' owner watchdogs notice
     killed = kill_orphans()
     echo("Ray stopped" + (f"; ended {killed} orphaned engine/proxy processes" if killed else ""))
 
 
+def _processes():
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                yield int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+
+
+def _kill(pid: int) -> int:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return 1
+    except OSError:
+        return 0
+
+
 def kill_orphans() -> int:
-    """Processes `ray stop` leaves behind: vLLM engines and Serve's HAProxy, reparented to init."""
-    killed = 0
-    for pid in orphans():
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except OSError:
-            pass
-    return killed
+    """Processes Ray leaves behind: vLLM engines and Serve's HAProxy, reparented to init."""
+    return sum(_kill(pid) for pid in orphans())
 
 
 def orphans() -> list[int]:
@@ -138,12 +231,3 @@ def state_dir() -> Path:
     path = default_cache_dir() / "run"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 1.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False

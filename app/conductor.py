@@ -87,31 +87,40 @@ class Tokens:
 
 
 class LinkDirectory:
-    """The Links deployment as routing sees it: relay addresses and link health,
-    refreshed at most every HEALTH_TTL_S (a replaced Links replica has new ports)."""
+    """The link emulators as routing sees them (one deployment per receiving
+    datacenter): relay addresses and link health, refreshed at most every
+    HEALTH_TTL_S (a replaced replica has new ports). A datacenter whose emulator
+    does not answer counts as cut off."""
 
     HEALTH_TTL_S = 1.0
     CALL_TIMEOUT_S = 2.0
 
-    def __init__(self, handle: Any):
-        self._handle = handle
+    def __init__(self, handles: dict[str, Any]):
+        self._handles = handles
         self._relays: dict[str, tuple[str, int]] = {}
         self._counters: dict[str, Any] = {}
+        self._unreachable: set[str] = set()
         self._refreshed_at = -1e9
-        self.reachable = True
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._refreshed_at <= self.HEALTH_TTL_S:
             return
         self._refreshed_at = time.monotonic()
+        results = await asyncio.gather(*(self._ask(dc, h) for dc, h in self._handles.items()))
+        self._relays, self._counters, self._unreachable = {}, {}, set()
+        for dc, result in zip(self._handles, results):
+            if result is None:
+                self._unreachable.add(dc)
+            else:
+                self._relays.update(result[0])
+                self._counters.update(result[1])
+
+    async def _ask(self, dc: str, handle: Any):
         try:
-            self._relays, self._counters = await asyncio.wait_for(
-                asyncio.gather(self._handle.describe.remote(), self._handle.counters.remote()), self.CALL_TIMEOUT_S
-            )
-            self.reachable = True
-        except (asyncio.TimeoutError, RuntimeError) as exc:  # Links replica gone (its node died)
-            logger.warning("link emulators unreachable: %s", exc)
-            self.reachable = False
+            return await asyncio.wait_for(asyncio.gather(handle.describe.remote(), handle.counters.remote()), self.CALL_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError) as exc:  # its datacenter is down
+            logger.warning("link emulator of %s unreachable: %s", dc, exc)
+            return None
 
     async def counters(self) -> dict[str, Any]:
         await self._refresh()
@@ -120,13 +129,13 @@ class LinkDirectory:
     async def is_up(self, src_dc: str, dst_dc: str) -> bool:
         await self._refresh()
         link = self._counters.get(direction_name(src_dc, dst_dc))
-        return self.reachable and (link is None or not link["is_cut"])
+        return dst_dc not in self._unreachable and (link is None or not link["is_cut"])
 
     async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
         await self._refresh()
         name = direction_name(src_dc, dst_dc)
         if name not in self._relays:
-            raise EngineError(f"no link emulator for {name} (configured links: {', '.join(sorted(self._relays)) or 'none reachable'})")
+            raise EngineError(f"no link emulator for {name} (reachable: {', '.join(sorted(self._relays)) or 'none'})")
         return name, self._relays[name]
 
 
@@ -162,6 +171,10 @@ class Conductor:
         self.journal = Journal()
         self.index = PrefixIndex(config.model.block_size)
         self.in_flight = 0
+        self.wan_backlog: dict[str, int] = {}
+        """KV bytes pulls in flight still have to move, per link (policy input)."""
+        self._warms: dict[str, dict[int, asyncio.Task]] = {}
+        """MD warm-ups in flight: replica id -> last prompt block key -> task."""
         self.background: set[asyncio.Task] = set()
         """Engine work that outlives its request (an MD warm-up after the relay finished)."""
 
@@ -277,7 +290,10 @@ class Conductor:
             "roles": roles,
             "node_groups": {name: g.model_dump(mode="json", include={"datacenter", "accelerator", "cost_per_hour"}) for name, g in cfg.node_groups.items()},
             "knobs": self.knobs.model_dump(mode="json"),
-            "links": await self.links.counters(),
+            "links": {
+                name: {**counters, "backlog_bytes": max(0, self.wan_backlog.get(name, 0))}
+                for name, counters in (await self.links.counters()).items()
+            },
             "in_flight": self.in_flight,
             "slo": {"targets": cfg.slo.model_dump(mode="json"), "recent": slo_summary(self.journal.recent(self.journal.capacity), cfg.slo, cfg.slo.window_s)},
         }
@@ -311,13 +327,38 @@ class Conductor:
         choice = self.index.choose({rid: i.num_kv_blocks for rid, i in infos.items()}, keys, self.engines.load)
         journey.replicas[role.value] = choice.replica_id
         replica = infos[choice.replica_id]
-        # the next turn may arrive before this one ends: route it here too
-        self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
+        # the next turn may arrive before this one ends: it should come here too
+        self.index.route(replica.replica_id, keys, replica.num_kv_blocks)
         return replica, choice.cached_tokens
 
-    def unroute(self, replica: ReplicaInfo, keys: list[int], cached_tokens: int) -> None:
+    def track_warm(self, replica: ReplicaInfo, keys: list[int], task: asyncio.Task) -> None:
+        """An MD warm-up is pulling these blocks: a next turn of the conversation waits
+        for it rather than pulling the same blocks again."""
+        if not keys:
+            return
+        warms = self._warms.setdefault(replica.replica_id, {})
+        warms[keys[-1]] = task
+        task.add_done_callback(lambda _t: warms.pop(keys[-1], None) if warms.get(keys[-1]) is _t else None)
+
+    def pending_warm(self, replica: ReplicaInfo, keys: list[int]) -> tuple[asyncio.Task | None, int]:
+        """The warm-up in flight on `replica` covering the longest prefix of `keys`,
+        and how many of their blocks it covers."""
+        warms = self._warms.get(replica.replica_id)
+        if warms:
+            for i in range(len(keys) - 1, -1, -1):
+                task = warms.get(keys[i])
+                if task is not None and not task.done():
+                    return task, i + 1
+        return None, 0
+
+    async def await_warm(self, task: asyncio.Task | None) -> None:
+        """Wait (bounded) for another request's warm-up; its failure is its own."""
+        if task is not None:
+            await asyncio.wait({task}, timeout=self.config.kv.transfer_timeout_s)
+
+    def unroute(self, replica: ReplicaInfo, keys: list[int]) -> None:
         """The request will not leave its prompt on this replica after all."""
-        self.index.observe(replica.replica_id, keys, cached_tokens)
+        self.index.unroute(replica.replica_id, keys)
 
     def remember(self, replica: ReplicaInfo, tokens: list[int], actual_hit: int | None = None, prompt_keys: list[int] | None = None) -> None:
         """After a request: correct the estimate with the engine's real hit, then
@@ -328,14 +369,23 @@ class Conductor:
         self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
 
     async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncIterator[EngineDelta]:
-        """An engine stream whose transfer report lands in the journey."""
-        async for delta in self.engines.stream(replica, request):
-            check(delta, role)
-            if delta.transfer is not None:
-                self.note_transfer(journey, role, delta.transfer)
-            if delta.finished:  # no pull (all cached): the engine's own count is the hit
-                journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
-            yield delta
+        """An engine stream whose transfer report lands in the journey (and leaves the backlog)."""
+        pull = (request.kv_transfer_params or {}).get(PULL, {})
+        queued = int(pull.get("expected_bytes", 0))
+        link = pull.get("link", "")
+        self.wan_backlog[link] = self.wan_backlog.get(link, 0) + queued
+        try:
+            async for delta in self.engines.stream(replica, request):
+                check(delta, role)
+                if delta.transfer is not None:
+                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
+                    self.wan_backlog[link] -= queued
+                    queued = 0
+                if delta.finished:  # no pull (all cached): the engine's own count is the hit
+                    journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
+                yield delta
+        finally:
+            self.wan_backlog[link] -= queued
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
         """P computes the prompt's KV and the first token; the KV stays leased for
@@ -357,7 +407,7 @@ class Conductor:
                     last = check(delta, RoleName.prefill)
             except ENGINE_FAILURES as exc:
                 self.engines.suspect(replica.replica_id)
-                self.unroute(replica, keys, 0)
+                self.unroute(replica, keys)
                 journey.failovers.append({"from_role": "prefill", "from_replica": replica.replica_id, "at_token": 0, "error": str(exc)})
                 continue
             assert last is not None and last.finished
@@ -402,16 +452,20 @@ class Conductor:
                     return role, min(infos, key=lambda i: self.engines.load(i.replica_id))
         return None
 
-    async def pull_params(self, lease: dict[str, Any], dst_dc: str) -> dict[str, Any]:
+    async def pull_params(self, lease: dict[str, Any], dst_dc: str, expected_bytes: int = 0) -> dict[str, Any]:
+        """What a decoder needs to pull `lease` through the link emulator; `expected_bytes`
+        (what routing expects to move) counts in the link's backlog until the pull reports."""
         name, relay = await self.links.relay(lease["datacenter"], dst_dc)
-        return {PULL: {**lease, "relay": relay, "link": name}}
+        return {PULL: {**lease, "relay": relay, "link": name, "expected_bytes": expected_bytes}}
 
-    def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any]) -> None:
+    def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any], source: str, destination: str) -> None:
         journey.hit_tokens[role.value] = int(report.get("local_hit_tokens", 0))
         journey.transfers.append(
             Transfer(
                 link=report.get("link", ""),
                 to_role=role.value,
+                source=source,
+                destination=destination,
                 blocks=int(report.get("blocks", 0)),
                 bytes=int(report.get("bytes", 0)),
                 seconds=float(report.get("seconds", 0.0)),
@@ -457,10 +511,10 @@ class Conductor:
             return
         if first_token_from_prefill:
             yield Tokens(first.token_ids, RoleName.prefill)
-        replica, cached = await self.route(decode_role, keys, journey)
+        replica, _ = await self.route(decode_role, keys, journey)
         naive = not first_token_from_prefill
         if naive:  # salted: the decoder's cache will not hold this prompt
-            self.unroute(replica, keys, cached)
+            self.unroute(replica, keys)
         async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, cache_salt=req.request_id if naive else None, hold_first=naive):
             yield batch
 
@@ -476,6 +530,7 @@ class Conductor:
         *,
         cache_salt: str | None = None,
         hold_first: bool = False,
+        expected_bytes: int = 0,
     ) -> AsyncIterator[Tokens]:
         """A decoder pulls the prompt KV from the lease and decodes after the first token.
 
@@ -488,7 +543,7 @@ class Conductor:
             f"{req.request_id}-{role.value}",
             req.prompt_token_ids + first.token_ids,
             replace(req.sampling, max_tokens=req.sampling.max_tokens - len(first.token_ids)),
-            kv_transfer_params=await self.pull_params(lease, replica.datacenter) if lease else None,
+            kv_transfer_params=await self.pull_params(lease, replica.datacenter, expected_bytes) if lease else None,
             cache_salt=cache_salt,
         )
         held = list(first.token_ids) if hold_first else []

@@ -63,7 +63,11 @@ class ModelSpec(_Strict):
     weight_bytes_per_param: Annotated[float, Field(gt=0)] = 2.0
     """1 for FP8 weights, 2 for bf16."""
     kv_bytes_per_token: Annotated[int, Field(gt=0)]
-    """KV cache bytes one token occupies (all layers)."""
+    """KV cache bytes one token occupies (all layers): memory, and what crosses a link."""
+    kv_read_bytes_per_token: Annotated[float, Field(gt=0)] | None = None
+    """KV bytes attention reads per context token in one step, when less than it
+    stores (sparse or compressed attention reads a fraction of the cache); None:
+    all of `kv_bytes_per_token` (dense attention)."""
     attention_flops_per_token_pair: Annotated[float, Field(ge=0)] = 0.0
     """FLOPs one token spends attending to one earlier token, summed over layers
     (MHA/GQA: 4 x layers x heads x head_dim; MLA: 2 x layers x heads x (qk_dim +
@@ -383,6 +387,11 @@ class AgentsConfig(_Strict):
     regression_tolerance: Annotated[float, Field(gt=0, le=1)] = 0.1
     """Relative worsening of the SLO score (worst figure / target) after a change
     that makes the agents roll it back."""
+    max_cost_per_hour: Annotated[float, Field(gt=0)] | None = None
+    """Ceiling on the fleet's hardware cost (replicas x their node group's
+    cost_per_hour, summed over roles). The agents never scale past it; a role
+    that must grow at the ceiling gets a replica moved from another role.
+    None: no ceiling (each role is still bounded by its max_replicas)."""
 
     @field_validator("bounds")
     @classmethod

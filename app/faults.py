@@ -10,9 +10,8 @@ from __future__ import annotations
 import random
 
 from app.config import RoleName
+from app.links import deployment_name
 from app.roles import DEPLOYMENT_NAMES
-
-DEPLOYMENTS = (*DEPLOYMENT_NAMES.values(), "Conductor", "Links")
 
 
 class Faults:
@@ -29,8 +28,6 @@ class Faults:
         """Actor names of the live replicas of a deployment (from the GCS: no dashboard needed)."""
         import ray
 
-        if deployment not in DEPLOYMENTS:
-            raise ValueError(f"unknown deployment {deployment!r} (known: {', '.join(DEPLOYMENTS)})")
         prefix = f"SERVE_REPLICA::{self.app_name}#{deployment}#"
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
@@ -40,7 +37,7 @@ class Faults:
 
         names = self.replicas(deployment)
         if not names:
-            raise RuntimeError(f"no live replica of {deployment}")
+            raise RuntimeError(f"no live replica of {deployment} in app {self.app_name}")
         name = self._rng.choice(names)
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         return name
@@ -51,15 +48,22 @@ class Faults:
     def restart_conductor(self) -> str:
         return self.kill_replica("Conductor")
 
+    def _links(self, direction: str):
+        """The emulator of a direction such as "dc-a->dc-b" (it lives in the receiving datacenter)."""
+        return self._handle(deployment_name(direction.split("->")[1]))
+
     def cut_link(self, direction: str, seconds: float | None = None) -> None:
         """Sever e.g. "dc-a->dc-b" for `seconds` (None: until restore_link)."""
-        self._handle("Links").cut.remote(direction, seconds).result()
+        self._links(direction).cut.remote(direction, seconds).result()
 
     def restore_link(self, direction: str) -> None:
-        self._handle("Links").restore.remote(direction).result()
+        self._links(direction).restore.remote(direction).result()
 
     def stall_link(self, direction: str, seconds: float) -> None:
-        self._handle("Links").stall.remote(direction, seconds).result()
+        self._links(direction).stall.remote(direction, seconds).result()
+
+    def link_counters(self, direction: str) -> dict:
+        return self._links(direction).counters.remote().result()[direction]
 
     def expire_leases(self) -> int:
         """Release every prefill replica's KV leases now; returns how many went."""

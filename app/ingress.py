@@ -183,7 +183,7 @@ class Admission:
 @serve.deployment(name="Conductor", max_ongoing_requests=1024)
 @serve.ingress(api)
 class ConductorIngress:
-    def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle], links: DeploymentHandle):
+    def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle], links: dict[str, DeploymentHandle]):
         from transformers import AutoTokenizer
 
         self.config = PDDConfig.model_validate(config)

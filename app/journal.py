@@ -15,6 +15,10 @@ class Transfer:
     link: str
     """`dc-a->dc-b` style: source datacenter -> destination datacenter."""
     to_role: str
+    source: str = ""
+    """Address of the prefill replica's node the blocks came from."""
+    destination: str = ""
+    """Address of the decoder replica's node they went to."""
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0

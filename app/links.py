@@ -1,9 +1,11 @@
-"""The Links deployment: the emulated network between datacenters, live-configurable.
+"""The link emulators: the emulated network between datacenters, live-configurable.
 
-One replica hosts a relay per direction of every configured link
-(app/kv/link.py). Its `user_config` is the list of links, so a redeploy with
-new bandwidth/RTT/jitter changes the network without a restart; `cut` and
-`restore` inject outages (tests, fault harness, benchmarks).
+One deployment per receiving datacenter (`Links-<dc>`, placed on that
+datacenter's nodes) hosts a relay for every configured direction into it
+(app/kv/link.py): KV crosses to the receiver's side, and a datacenter that
+dies takes only the relays into it along. Its `user_config` is the list of
+links, so a redeploy with new bandwidth/RTT/jitter changes the network without
+a restart; `cut`, `stall` and `restore` inject faults.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ from app.engine import node_ip
 from app.kv.link import LinkSet
 
 
-@serve.deployment(name="Links", num_replicas=1, max_ongoing_requests=1000)
+def deployment_name(datacenter: str) -> str:
+    return f"Links-{datacenter}"
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000)
 class LinkEmulators:
-    def __init__(self) -> None:
+    def __init__(self, destination: str) -> None:
+        self._destination = destination
         self._links = LinkSet()
         self._host = node_ip()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         configs = [LinkConfig.model_validate(c) for c in user_config.get("links", [])]
-        self._links.update(configs)
+        self._links.update(configs, destination=self._destination)
         await self._links.start()
 
     async def describe(self) -> dict[str, tuple[str, int]]:

@@ -6,6 +6,11 @@ prefixes each name with `ray_` on export (`pdd_requests` is scraped as
 `ray_pdd_requests_total`); `prom_name()` gives the scraped name, which
 dashboards, rules and agents use.
 
+Every series also carries `application` (the Serve application that recorded
+it), like Ray Serve's own metrics: one Ray cluster can run several PDD apps,
+and Ray's metrics agent keeps exporting the last values of dead replicas, so
+queries must select their application.
+
 Importing this module needs no Ray; the metric objects are created on first use
 in the process that records them.
 """
@@ -24,6 +29,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: Token-count buckets (handoff sizes, relay lengths).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+#: The label every PDD series carries besides its spec's own (see the module doc).
+APPLICATION_LABEL = "application"
 
 
 @dataclass(frozen=True)
@@ -77,23 +86,36 @@ def prom_name(spec: MetricSpec, suffix: str = "") -> str:
     return base + suffix
 
 
+def _application() -> str:
+    """The Serve application of this process ("" outside a Serve replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:  # not in a replica: a benchmark or test recording directly
+        return ""
+
+
 class _Registry:
     """Ray metric objects of this process, created once."""
 
     def __init__(self) -> None:
         self._objects: dict[str, object] = {}
+        self._application = _application()
 
     def _get(self, spec: MetricSpec):
         obj = self._objects.get(spec.name)
         if obj is None:
             from ray.util import metrics as rm
 
+            tag_keys = (*spec.labels, APPLICATION_LABEL)
             if spec.kind == "counter":
-                obj = rm.Counter(spec.name, spec.description, tag_keys=spec.labels)
+                obj = rm.Counter(spec.name, spec.description, tag_keys=tag_keys)
             elif spec.kind == "gauge":
-                obj = rm.Gauge(spec.name, spec.description, tag_keys=spec.labels)
+                obj = rm.Gauge(spec.name, spec.description, tag_keys=tag_keys)
             else:
-                obj = rm.Histogram(spec.name, spec.description, boundaries=list(spec.buckets or LATENCY_BUCKETS), tag_keys=spec.labels)
+                obj = rm.Histogram(spec.name, spec.description, boundaries=list(spec.buckets or LATENCY_BUCKETS), tag_keys=tag_keys)
+            obj.set_default_tags({APPLICATION_LABEL: self._application})
             self._objects[spec.name] = obj
         return obj
 

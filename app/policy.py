@@ -17,7 +17,6 @@ Rules (../shared/PDD.md):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -62,6 +61,8 @@ class ClusterFacts:
     """False while the WAN between P and MD is cut: requests then finish in A."""
     md_available: bool = True
     """False when no main decoder is alive (its datacenter is down)."""
+    wan_backlog_bytes: int = 0
+    """KV bytes already queued on the WAN by requests in flight: a new pull waits behind them."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,11 @@ def blocks_missing(prompt_tokens: int, cached_tokens: int, block_size: int) -> i
     return max(0, math.ceil(prompt_tokens / block_size) - cached_blocks)
 
 
-def expected_transfer_ms(blocks: int, bytes_per_block: int, link: LinkFacts) -> float:
-    """One pull: a round trip, then the bytes at the link's bandwidth."""
+def expected_transfer_ms(blocks: int, bytes_per_block: int, link: LinkFacts, backlog_bytes: int = 0) -> float:
+    """One pull: a round trip, then its bytes at the link's bandwidth behind those already queued."""
     if blocks <= 0:
         return 0.0
-    return (link.rtt_s + blocks * bytes_per_block / link.bandwidth_bytes_per_s) * 1000
+    return (link.rtt_s + (backlog_bytes + blocks * bytes_per_block) / link.bandwidth_bytes_per_s) * 1000
 
 
 def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> bool:
@@ -98,7 +99,7 @@ def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> b
 
 def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingConfig) -> RouteDecision:
     blocks = blocks_missing(req.prompt_tokens, req.md_cached_tokens, cluster.block_size)
-    wan_ms = expected_transfer_ms(blocks, cluster.kv_bytes_per_block, cluster.wan)
+    wan_ms = expected_transfer_ms(blocks, cluster.kv_bytes_per_block, cluster.wan, cluster.wan_backlog_bytes)
     hit = min(req.md_cached_tokens, req.prompt_tokens) / req.prompt_tokens if req.prompt_tokens else 1.0
 
     def decide(pipeline: Pipeline, reason: str) -> RouteDecision:
@@ -156,21 +157,3 @@ def relay_cap(handoff: HandoffConfig, rld_load: float) -> int:
     """Most tokens RLD may produce for one request; shrinks as RLD fills up."""
     scaled = handoff.relay_cap_tokens * max(0.0, 1.0 - rld_load)
     return max(handoff.min_relay_cap_tokens, int(scaled))
-
-
-def pick_replica(preferred: int | None, loads: Sequence[float]) -> int:
-    """Index of the replica for a request, by conversation affinity.
-
-    `preferred` is the replica that served the conversation before (its prefix
-    cache holds the conversation, so P's and MD's caches stay aligned turn
-    after turn); without one, or when it is gone, the least loaded replica
-    (the first on ties). The twin calls this for every role; it is the choice
-    EngineClient.pick makes among live replicas.
-    """
-    if preferred is not None and 0 <= preferred < len(loads):
-        return preferred
-    best = 0
-    for i, load in enumerate(loads):
-        if load < loads[best]:
-            best = i
-    return best

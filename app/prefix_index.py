@@ -33,35 +33,60 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
     return keys
 
 
-class ReplicaCache:
-    """One replica's cached blocks as the conductor knows them (LRU-bounded)."""
+class _LRU:
+    """Block keys, least recently used first, bounded."""
 
-    def __init__(self, capacity_blocks: int):
-        self.capacity = max(1, capacity_blocks)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self._keys: OrderedDict[int, None] = OrderedDict()
 
-    def matched_blocks(self, keys: Sequence[int]) -> int:
+    def matched(self, keys: Sequence[int]) -> int:
         n = 0
         for key in keys:
-            if key not in self._blocks:
+            if key not in self._keys:
                 break
             n += 1
         return n
 
     def add(self, keys: Sequence[int]) -> None:
         for key in keys:
-            self._blocks[key] = None
-            self._blocks.move_to_end(key)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class ReplicaCache:
+    """One replica's blocks as the conductor knows them.
+
+    `held`: confirmed (the replica computed or received them, its requests
+    ended): what a hit estimate may count on. `routed`: requests were sent
+    there for them and may not have finished: enough to keep a conversation on
+    its replica, never to skip a transfer (a next turn arriving while MD still
+    pulls the previous one must not count on blocks MD does not have yet).
+    """
+
+    def __init__(self, capacity_blocks: int):
+        self.held = _LRU(capacity_blocks)
+        self.routed = _LRU(capacity_blocks)
 
     def forget_from(self, keys: Sequence[int], first: int) -> None:
         """The replica no longer holds keys[first:] (it reported a shorter hit)."""
-        for key in keys[first:]:
-            self._blocks.pop(key, None)
+        self.held.discard(keys[first:])
+        self.routed.discard(keys[first:])
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.routed)
 
 
 @dataclass(frozen=True)
@@ -88,14 +113,19 @@ class PrefixIndex:
         return block_keys(tokens, self.block_size)
 
     def estimate(self, replica_id: str, keys: Sequence[int]) -> int:
+        """Prompt tokens the replica is known to hold (confirmed blocks only)."""
         cache = self._replicas.get(replica_id)
-        return 0 if cache is None else cache.matched_blocks(keys) * self.block_size
+        return 0 if cache is None else cache.held.matched(keys) * self.block_size
+
+    def _affinity(self, replica_id: str, keys: Sequence[int]) -> int:
+        return self._replicas[replica_id].routed.matched(keys)
 
     def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int]) -> Choice:
-        """Longest expected hit, unless that replica is overloaded; ties go to the idlest,
-        then to the emptiest cache, then to a replica picked by rendezvous hashing of
-        the prompt's first block: new conversations spread evenly, and each keeps its
-        replica from the next turn on.
+        """Longest known hit, then the replica the conversation was routed to,
+        unless that replica is overloaded; ties go to the idlest, then to the
+        emptiest cache, then to a replica picked by rendezvous hashing of the
+        prompt's first block: new conversations spread evenly and keep their
+        replica turn after turn.
 
         `candidates` maps live replica ids to their KV capacity in blocks.
         """
@@ -109,18 +139,30 @@ class PrefixIndex:
         first = keys[0] if keys else 0
         best = min(
             eligible,
-            key=lambda rid: (-self.estimate(rid, keys), loads[rid], len(self._replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())),
+            key=lambda rid: (-self.estimate(rid, keys), -self._affinity(rid, keys), loads[rid], len(self._replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())),
         )
         return Choice(best, self.estimate(best, keys))
 
+    def route(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
+        """A request for these blocks was sent to the replica (not yet confirmed)."""
+        self._cache(replica_id, capacity_blocks).routed.add(keys)
+
+    def unroute(self, replica_id: str, keys: Sequence[int]) -> None:
+        """The request will not leave these blocks there after all."""
+        cache = self._replicas.get(replica_id)
+        if cache is not None:
+            cache.routed.discard([k for k in keys if k not in cache.held])
+
     def record(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
         """The replica now holds these blocks (it just computed or received them)."""
-        self._cache(replica_id, capacity_blocks).add(keys)
+        cache = self._cache(replica_id, capacity_blocks)
+        cache.held.add(keys)
+        cache.routed.add(keys)
 
     def observe(self, replica_id: str, keys: Sequence[int], actual_cached_tokens: int) -> None:
         """Correct the index with the hit the engine actually found."""
         cache = self._replicas.get(replica_id)
-        if cache is not None and cache.matched_blocks(keys) * self.block_size > actual_cached_tokens:
+        if cache is not None and cache.held.matched(keys) * self.block_size > actual_cached_tokens:
             cache.forget_from(keys, actual_cached_tokens // self.block_size)
 
     def drop(self, replica_id: str) -> None:

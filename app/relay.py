@@ -30,6 +30,7 @@ from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import NoReplicaError
 from app.journal import Journey
+from app.kv.link import direction_name
 from app.kv.params import LEASE
 from app.policy import (
     ClusterFacts,
@@ -68,6 +69,9 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
         md, md_cached = await c.route(RoleName.main_decode, keys, journey)
     except NoReplicaError:  # datacenter B is down: datacenter A serves alone
         md, md_cached = None, 0
+    # a previous turn's warm-up still pulling into this MD: count its blocks, wait for it
+    pending, covered = c.pending_warm(md, keys) if md is not None else (None, 0)
+    md_cached = max(md_cached, covered * c.config.model.block_size)
     rld, load = await rld_load(c)
     shape = md or rld
     if shape is None:
@@ -75,6 +79,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     p_dc = c.config.datacenter_of(RoleName.prefill)
     md_dc = c.config.datacenter_of(RoleName.main_decode)
     link = c.config.link(p_dc, md_dc)
+    wan = direction_name(p_dc, md_dc)
     decision = choose_pipeline(
         RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
         ClusterFacts(
@@ -85,6 +90,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
             rld_available=rld is not None,
             wan_up=await c.links.is_up(p_dc, md_dc),
             md_available=md is not None,
+            wan_backlog_bytes=c.wan_backlog.get(wan, 0),
         ),
         c.knobs.routing,
     )
@@ -106,16 +112,18 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
         return
     yield Tokens(first.token_ids, RoleName.prefill)
 
+    wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
     if decision.pipeline is Pipeline.p_md:
-        stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys)
+        await c.await_warm(pending)
+        stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
     elif decision.pipeline is Pipeline.p_rld:
         if md is not None:  # singular, or WAN down: MD never sees this request
-            c.unroute(md, keys, md_cached)
+            c.unroute(md, keys)
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
     else:
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
-        stream = Relay(c, req, journey, md, rld, first, lease, keys, load).run()
+        stream = Relay(c, req, journey, md, rld, first, lease, keys, load, wan_bytes, pending).run()
     async for batch in stream:
         yield batch
 
@@ -137,12 +145,16 @@ class Relay:
         lease: dict[str, Any],
         keys: list[int],
         load: float,
+        wan_bytes: int,
+        previous_warm: asyncio.Task | None,
     ):
         self.c, self.req, self.journey = c, req, journey
         self.md, self.rld, self.first, self.lease, self.keys = md, rld, first, lease, keys
         handoff = c.knobs.handoff
         self.handoff = handoff
         self.mode: HandoffMode = resolve_handoff_mode(handoff, load)
+        self.wan_bytes = wan_bytes
+        self.previous_warm = previous_warm
         self.cap = relay_cap(handoff, load)
         self.out: list[int] = list(first.token_ids)
         """Tokens the client has (the eager tokens MD must catch up on)."""
@@ -159,6 +171,10 @@ class Relay:
         """A one-token MD request: pull (warm) or extend (catch-up); its token is discarded."""
         async for _ in self.c.decode_stream(RoleName.main_decode, self.md, request, self.journey):
             pass
+
+    async def _warm(self, request: EngineRequest) -> None:
+        await self.c.await_warm(self.previous_warm)  # then MD holds what it pulled: only the rest crosses
+        await self._md_step(request)
 
     async def _pump(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         try:
@@ -183,10 +199,11 @@ class Relay:
             replace(req.sampling, max_tokens=req.sampling.max_tokens - len(self.out)),
             kv_transfer_params=await c.pull_params(self.lease, self.rld.datacenter),
         )
-        warm = self._md_request("warm", list(self.out), 1, await c.pull_params(self.lease, self.md.datacenter))
+        warm = self._md_request("warm", list(self.out), 1, await c.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
         queue: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(rld_request, queue))
-        md_task: asyncio.Task | None = asyncio.create_task(self._md_step(warm))
+        md_task: asyncio.Task | None = asyncio.create_task(self._warm(warm))
+        c.track_warm(self.md, self.keys, md_task)
         md_covers = len(self.out)  # tokens of `out` whose KV the running/finished MD step computes
         handed = 0
         rounds = 0

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.kv.params import LEASE, PRODUCE, PULL
+from app.links import deployment_name
 from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
 from bench.common import LocalApp, wait_http, write_outputs
 from tests.conftest import local_args
@@ -45,7 +46,9 @@ class Engines:
         from ray import serve
 
         self.info = {d: serve.get_deployment_handle(d, app_name=app_name).describe.remote().result() for d in ("Prefill", "RelayDecode", "MainDecode")}
-        self.relays = serve.get_deployment_handle("Links", app_name=app_name).describe.remote().result()
+        self.relays = {}
+        for dc in ("dc-a", "dc-b"):
+            self.relays.update(serve.get_deployment_handle(deployment_name(dc), app_name=app_name).describe.remote().result())
         self.clients = {d: TokenStreamClient(i.node_ip, i.token_port) for d, i in self.info.items()}
 
     async def run(self, deployment: str, rid: str, prompt: list[int], max_tokens: int, kv: dict | None = None) -> tuple[list[int], dict | None, float]:

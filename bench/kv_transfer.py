@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import LinkConfig
+from app.faults import Faults
 from app.kv.link import LinkModel
 from bench.common import LocalApp, median, wait_http, write_outputs
 from tests.conftest import local_args
@@ -77,11 +78,10 @@ def main() -> None:
         wait_http(f"{app.base_url}/health")
         from ray import serve
 
-        links = serve.get_deployment_handle("Links", app_name="kvbench")
         block_bytes = serve.get_deployment_handle("MainDecode", app_name="kvbench").describe.remote().result().kv_bytes_per_block
 
         def wan_bytes() -> int:
-            return links.counters.remote().result()[WAN]["bytes_down"]
+            return Faults("kvbench").link_counters(WAN)["bytes_down"]
 
         total = len(HIT_RATES) * a.repeats
         for i, h in enumerate(HIT_RATES):

@@ -35,6 +35,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from app.faults import Faults
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
 from tests.conftest import local_args
@@ -146,6 +147,13 @@ def gpu_args(args: dict) -> dict:
     return args
 
 
+def bench_args(gpu: bool = False) -> dict:
+    """The app config this benchmark serves (bench/sim_vs_real.py simulates the same)."""
+    args = local_args()
+    args["model"]["max_model_len"] = 8192
+    return gpu_args(args) if gpu else args
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=120)
@@ -157,10 +165,7 @@ def main() -> None:
     a = ap.parse_args()
     modes = a.modes.split(",")
 
-    args = local_args()
-    args["model"]["max_model_len"] = 8192
-    if a.gpu:
-        args = gpu_args(args)
+    args = bench_args(a.gpu)
     trace = list(workload(a.requests, a.rps, a.seed).generate())
     hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
     console.print(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
@@ -170,27 +175,27 @@ def main() -> None:
     results: dict[str, LoadResult] = {}
     wan: dict[str, int] = {}
     pipelines: dict[str, dict[str, int]] = {}
+    journeys: dict[str, list[dict]] = {}
     with LocalApp(args, name="pipelines") as app:
         wait_http(f"{app.base_url}/health")
         from ray import serve
 
         conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
-        links = serve.get_deployment_handle("Links", app_name="pipelines")
         for mode in modes:
             conductor.reset_prefix_caches.remote().result()
-            before = links.counters.remote().result()[WAN]["bytes_down"]
+            before = Faults("pipelines").link_counters(WAN)["bytes_down"]
             console.print(f"[bold]{mode}[/bold]")
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
             results[mode] = result
             if mode == "pdd":
                 OUT_DIR.mkdir(parents=True, exist_ok=True)
                 write_trace(OUT_DIR / "pipelines_trace.jsonl", sorted(sent))
-            wan[mode] = links.counters.remote().result()[WAN]["bytes_down"] - before
+            wan[mode] = Faults("pipelines").link_counters(WAN)["bytes_down"] - before
             counts: dict[str, int] = {}
-            for rid in ids:
-                if rid:
-                    p = httpx.get(f"{app.base_url}/pdd/requests/{rid}", timeout=30).json().get("pipeline") or "?"
-                    counts[p] = counts.get(p, 0) + 1
+            journeys[mode] = [httpx.get(f"{app.base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
+            for j in journeys[mode]:
+                p = j.get("pipeline") or "?"
+                counts[p] = counts.get(p, 0) + 1
             pipelines[mode] = counts
 
     rows, summary_rows = [], {}
@@ -200,8 +205,15 @@ def main() -> None:
             "tpot_p50": r.tpot_ms(50), "gap_p50": r.gap_ms(50), "gap_p99": r.gap_ms(99),
             "wait_p99": worst_wait_ms(r, 99), "wan_mb": wan[mode] / 1e6, "failed": len(r.records) - len(r.ok),
         }
-        for rec in r.records:
-            rows.append({"mode": mode, "ttft_ms": rec.ttft_s * 1000, "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens, "error": rec.error or ""})
+        for rec, j in zip(r.records, journeys[mode]):
+            decision = j.get("decision") or {}
+            rows.append({
+                "mode": mode, "pipeline": j.get("pipeline"), "prompt_tokens": j.get("prompt_tokens"),
+                "ttft_ms": rec.ttft_s * 1000, "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
+                "md_hit_estimate": decision.get("md_hit_estimate"), "expected_wan_ms": decision.get("expected_wan_ms"),
+                "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
+                "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN), "error": rec.error or "",
+            })
 
     table = Table(title=f"pipelines on real engines: {len(trace)} agentic requests at {a.rps} req/s, same trace per mode, cold caches")
     for col in ("mode", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from agents.queries import QuerySet
 from app import metrics as m
-from app.metrics import MetricSpec, prom_name
 
 
 @dataclass(frozen=True)
@@ -46,16 +45,11 @@ FROM_SWARM: dict[str, str] = {
 }
 
 
-def _selector(spec: MetricSpec, matchers: dict[str, str], suffix: str = "") -> str:
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(matchers.items()))
-    return f"{prom_name(spec, suffix)}{{{inner}}}" if inner else prom_name(spec, suffix)
-
-
 def templates(queries: QuerySet) -> dict[str, Template]:
     """Every named query for one cluster (its window, percentile, app and matchers)."""
     swarm = {q.name: q.promql for q in queries.all()}
     out = {name: Template(name, description, swarm[name]) for name, description in FROM_SWARM.items()}
-    w, sel = queries.window, lambda spec, suffix="": _selector(spec, queries.matchers, suffix)
+    w, sel = queries.window, queries.select
     extra = [
         Template(
             "slo_violations_by_pipeline",

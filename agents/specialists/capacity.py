@@ -11,16 +11,24 @@ Which role a situation asks for:
   edge: main decode (more cache raises hits out of the valley);
 - over-provisioned: the most expensive idle role gives one replica back.
 
-With the digital twin's what-if (agents/whatif.py), a scale-up considers +1 on
-every role that may grow and takes the cheapest plan predicted to meet the SLO
-(the best predicted one when none does); a scale-down happens only when the
-twin predicts the SLO still holds with margin. Roles whose replicas are
-crashing are left alone: their healthy count says nothing about load.
+Under a cost ceiling (`agents.max_cost_per_hour`) a role that must grow
+past it gets a replica moved from another role instead: the two changes go
+through the guard, and are verified and rolled back, together. Without the
+twin the donor is the least loaded idle role; with no idle role nothing moves.
+
+With the digital twin's what-if (agents/whatif.py), a scale-up considers one
+more replica of every role that may grow (+1 within the ceiling, else each
+move that funds it) and takes the cheapest plan predicted to meet the SLO (the
+best predicted one when none does; a move only when the twin predicts it
+better than standing still); a scale-down happens only when the twin predicts
+the SLO still holds with margin. Roles whose replicas are crashing are left
+alone: their healthy count says nothing about load.
 """
 
 from __future__ import annotations
 
 from agents import figures as f
+from agents.controllers import fleet_cost
 from agents.diagnose import (
     BATHTUB_VALLEY,
     IDLE_LOAD,
@@ -80,42 +88,100 @@ def _can_grow(view: View, role: RoleName, frozen: set[RoleName]) -> bool:
     return rc is not None and role not in frozen and view.replicas.get(role.value, rc.replicas) < rc.max_replicas
 
 
-def _plan(view: View, role: RoleName, delta: int) -> dict[str, int]:
-    plan = dict(view.replicas)
-    plan[role.value] = plan.get(role.value, 0) + delta
-    return plan
+Plan = tuple[tuple[RoleName, int], ...]
+"""Replica changes made together: (role, +1 or -1) each."""
 
 
-def _twin_pick(view: View, candidates: list[RoleName]) -> tuple[RoleName, str] | None:
-    """Cheapest candidate the twin predicts to meet the SLO, else the best predicted."""
-    scored = []
-    for role in candidates:
-        try:
-            pred = predict(view.what_if, view.config, _plan(view, role, +1), view.knobs, view.snap.request_rate)
-        except Exception:  # a twin failure must not stop the rule-based answer
-            return None
-        scored.append((pred.score(view.config), _cost(view, role), role))
-    meeting = [x for x in scored if x[0] <= 1.0]
-    score, cost, role = min(meeting, key=lambda x: (x[1], x[0])) if meeting else min(scored, key=lambda x: (x[0], x[1]))
-    return role, f"twin predicts SLO score {score:.2f} with one more {role.value} replica (${cost:g}/h)"
+def _fleet(view: View, plan: Plan) -> dict[str, int]:
+    fleet = dict(view.replicas)
+    for role, delta in plan:
+        fleet[role.value] = fleet.get(role.value, view.config.roles.get(role).replicas) + delta
+    return fleet
 
 
-def _up(view: View, s: Situation, role: RoleName, frozen: set[RoleName]) -> Proposal | None:
-    note = f"{s.summary}: one more {role.value} replica"
-    if view.what_if is not None:
-        candidates = [r for r in view.config.roles.present() if _can_grow(view, r, frozen)]
-        picked = _twin_pick(view, candidates) if candidates else None
-        if picked is not None:
-            role, note = picked
+def _plan_cost(view: View, plan: Plan) -> float:
+    return sum(delta * _cost(view, role) for role, delta in plan)
+
+
+def _fits(view: View, plan: Plan) -> bool:
+    ceiling = view.agents.max_cost_per_hour
+    return ceiling is None or fleet_cost(view.config, _fleet(view, plan)) <= ceiling + 1e-9
+
+
+def _grow(view: View, role: RoleName, frozen: set[RoleName]) -> list[Plan]:
+    """Ways to one more `role` replica within the ceiling: +1, else one replica moved from each possible donor."""
     if not _can_grow(view, role, frozen):
+        return []
+    up: Plan = ((role, +1),)
+    if _fits(view, up):
+        return [up]
+    donors = [d for d in view.config.roles.present() if d != role and d not in frozen and view.replicas.get(d.value, 0) > 1]
+    return [plan for plan in (((d, -1), (role, +1)) for d in donors) if _fits(view, plan)]
+
+
+def _describe(plan: Plan) -> str:
+    return ", ".join(f"{'+' if delta > 0 else '-'}1 {role.value}" for role, delta in plan)
+
+
+def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
+    """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still."""
+    plans = [plan for role in view.config.roles.present() for plan in _grow(view, role, frozen)]
+    if not plans:
         return None
-    target = replica_target(role)
-    now = view.replicas.get(role.value, view.config.roles.get(role).replicas)
-    return view.propose(
-        NAME, s, target, now, now + 1, note,
-        f"{role.value} capacity +1 (${_cost(view, role):g}/h): {s.name.replace('_', ' ')} eases",
-        [Evidence(query="cost_per_hour", value=_cost(view, role), note=role.value)],
-    )
+
+    def score(fleet: dict[str, int]) -> float:
+        return predict(view.what_if, view.config, fleet, view.knobs, view.snap.request_rate).score(view.config)
+
+    try:
+        scored = [(score(_fleet(view, plan)), _plan_cost(view, plan), plan) for plan in plans]
+        meeting = [x for x in scored if x[0] <= 1.0]
+        best, cost, plan = min(meeting, key=lambda x: (x[1], x[0])) if meeting else min(scored, key=lambda x: (x[0], x[1]))
+        still = score(dict(view.replicas)) if len(plan) > 1 else None
+    except Exception:  # a twin failure must not stop the rule-based answer
+        return None
+    if still is not None and best >= still:
+        return (), f"twin predicts no replica move within the ${view.agents.max_cost_per_hour:g}/h ceiling beats SLO score {still:.2f}"
+    return plan, f"twin predicts SLO score {best:.2f} after {_describe(plan)} (${cost:+g}/h)"
+
+
+def _rule_pick(view: View, role: RoleName, frozen: set[RoleName]) -> tuple[Plan, str] | None:
+    """One more `role` replica; at the ceiling, moved from the least loaded idle role."""
+    plans = _grow(view, role, frozen)
+    if len(plans) == 1 and len(plans[0]) == 1:
+        return plans[0], f"one more {role.value} replica"
+    idle = []
+    for plan in plans:
+        donor = plan[0][0]
+        load = f.role_load(view.snap, view.config, donor)
+        if load is not None and load < IDLE_LOAD:
+            idle.append((load, plan))
+    if not idle:
+        return None
+    load, plan = min(idle, key=lambda x: x[0])
+    return plan, f"at the ${view.agents.max_cost_per_hour:g}/h ceiling: {plan[0][0].value} ({load:.0%} busy) gives one replica to {role.value}"
+
+
+def _up(view: View, s: Situation, role: RoleName, frozen: set[RoleName]) -> list[Proposal]:
+    picked = _twin_pick(view, frozen) if view.what_if is not None else None
+    if picked is None:
+        picked = _rule_pick(view, role, frozen)
+    if picked is None or not picked[0]:
+        return []
+    plan, note = picked
+    group = f"move:{plan[0][0].value}->{plan[-1][0].value}" if len(plan) > 1 else ""
+    out = []
+    for r, delta in plan:
+        now = view.replicas.get(r.value, view.config.roles.get(r).replicas)
+        if delta > 0:
+            effect = f"{r.value} capacity +1 (${_cost(view, r):g}/h): {s.name.replace('_', ' ')} eases"
+        else:
+            effect = f"{r.value} capacity -1 (${_cost(view, r):g}/h) pays for it"
+        p = view.propose(
+            NAME, s, replica_target(r), now, now + delta, f"{s.summary}: {note}", effect,
+            [Evidence(query="cost_per_hour", value=_cost(view, r), note=r.value)],
+        )
+        out.append(p.model_copy(update={"group": group}))
+    return out
 
 
 def _down(view: View, s: Situation, frozen: set[RoleName]) -> Proposal | None:
@@ -131,28 +197,32 @@ def _down(view: View, s: Situation, frozen: set[RoleName]) -> Proposal | None:
     note = f"{role.value} at {load:.0%} load; the costliest idle role gives one replica back"
     if view.what_if is not None:
         try:
-            pred = predict(view.what_if, view.config, _plan(view, role, -1), view.knobs, view.snap.request_rate)
-        except Exception:  # keep capacity: without a prediction, scaling down is not proven safe
+            pred = predict(view.what_if, view.config, _fleet(view, ((role, -1),)), view.knobs, view.snap.request_rate)
+        except ValueError:  # the twin cannot model this config (no accelerator figures): the rules decide
+            pred = None
+        except Exception:  # keep capacity: a twin that failed has not proven scaling down safe
             return None
-        if pred.score(view.config) > DOWN_MARGIN:
+        if pred is not None and pred.score(view.config) > DOWN_MARGIN:
             return None
-        note += f"; twin predicts SLO score {pred.score(view.config):.2f}"
+        if pred is not None:
+            note += f"; twin predicts SLO score {pred.score(view.config):.2f}"
     target = replica_target(role)
     n = view.replicas[role.value]
     return view.propose(NAME, s, target, n, n - 1, note, f"saves ${_cost(view, role):g}/h with the SLO still met")
 
 
 def propose(view: View) -> list[Proposal]:
-    """At most one replica change per tick, for the most severe situation that asks for one."""
+    """At most one replica plan per tick (one change, or one move), for the most severe situation that asks for one."""
     frozen = _frozen(view)
     for s in sorted(view.mine(NAME), key=lambda s: -s.severity):
         if s.name == OVER_PROVISIONED:
-            p = _down(view, s, frozen)
+            down = _down(view, s, frozen)
+            plan = [down] if down is not None else []
         elif s.severity == 0:  # a recovery: the knobs go back, capacity stays
             continue
         else:
             role = _role_for(view, s)
-            p = _up(view, s, role, frozen) if role is not None else None
-        if p is not None:
-            return [p]
+            plan = _up(view, s, role, frozen) if role is not None else []
+        if plan:
+            return plan
     return []

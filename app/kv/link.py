@@ -210,16 +210,13 @@ class LinkSet:
 
     relays: dict[str, LinkRelay] = field(default_factory=dict)
 
-    @classmethod
-    def from_configs(cls, configs: list[LinkConfig], host: str = "0.0.0.0") -> "LinkSet":
-        links = cls()
-        links.update(configs, host)
-        return links
-
-    def update(self, configs: list[LinkConfig], host: str = "0.0.0.0") -> None:
+    def update(self, configs: list[LinkConfig], destination: str | None = None, host: str = "0.0.0.0") -> None:
+        """Relays for every direction of `configs` (only those into `destination` when given)."""
         for i, cfg in enumerate(configs):
             a, b = cfg.between
             for src, dst in {(a, b), (b, a)}:
+                if destination is not None and dst != destination:
+                    continue
                 name = direction_name(src, dst)
                 model = LinkModel(cfg, seed_salt=i * 2 + (src > dst))
                 if name in self.relays:

@@ -42,10 +42,11 @@ from app.sim.perf import FittedPerf, PerfModel, Roofline, StepSample, fit_from_s
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
 from app.sim.run import SimRun, goodput_search, hit_sweep, simulate
+from app.sim.twin import Outage
 from app.sim.workload import AgenticWorkload, Request, read_trace, write_trace
 
 __all__ = [
-    "AgenticWorkload", "FittedPerf", "PerfModel", "Request", "RequestResult", "Results", "Roofline", "SimRun",
+    "AgenticWorkload", "FittedPerf", "Outage", "PerfModel", "Request", "RequestResult", "Results", "Roofline", "SimRun",
     "StepSample", "Summary", "fit_from_samples", "goodput_search", "hit_sweep", "load_samples", "read_trace",
     "save_samples", "simulate", "summarize", "write_trace",
 ]

@@ -5,6 +5,9 @@
     pdd sim CONFIG --search              # highest RPS meeting the config's SLO
     pdd sim CONFIG --sweep-hit           # benefit vs hit rate (bathtub) plot
     pdd sim CONFIG --workload trace.jsonl --perf fitted.json
+
+`pdd calibrate CONFIG` measures a real engine of CONFIG on this machine and
+writes the fitted step-time model `--perf` reads (app/sim/calibrate.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from app.config import ConfigError, Mode, PDDConfig, load_config
+from app.config import ConfigError, Mode, PDDConfig, RoleName, load_config
+from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive
 from app.sim.report import Summary, plot_bathtub, plot_ttft_cdf, summary_table
 from app.sim.run import SimRun, Workload, agentic_at, goodput_search, hit_sweep, scaled, simulate
@@ -79,6 +83,7 @@ def sim(
             from app.sim.perf import FittedPerf
 
             perf_model = FittedPerf.from_json(perf.read_text())
+            configs = [with_model_spec(c) for c in configs]
         if template is None:
             wl = list(read_trace(wl))
         runs = []
@@ -139,6 +144,32 @@ def sim(
 
 
 cli.command("sim")(sim)
+
+
+def calibrate(
+    config_path: Path = typer.Argument(..., help="Serve config YAML whose engine is measured"),
+    role: RoleName = typer.Option(RoleName.prefill, help="Role whose engine arguments are used"),
+    out: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="Fitted model JSON (for `pdd sim --perf`)"),
+    samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
+) -> None:
+    """Measure one real engine of CONFIG (prefill and decode steps) and fit the twin's step-time model."""
+    from app.sim.calibrate import calibrate as fit
+    from app.sim.perf import save_samples
+
+    try:
+        config = load_config(config_path)
+        with console.status("calibrating") as status:
+            perf, samples = fit(config, role, progress=lambda msg: status.update(f"calibrating: {msg}"))
+    except (ConfigError, ValueError, KeyError, OSError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(perf.to_json())
+    if samples_path is not None:
+        save_samples(samples_path, samples)
+    console.print(f"{len(samples)} steps measured: step = {perf.a_ms:.2f} ms + {perf.b_ms_per_prefill_token:.4f} ms/prefill token "
+                  f"+ {perf.c_ms_per_decode_seq:.3f} ms/decode seq + {perf.d_ms_per_kv_token:.6f} ms/context token read")
+    console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
 
 if __name__ == "__main__":
     cli()

@@ -8,8 +8,9 @@ New work joins at the next step boundary.
 While no prefill is queued the replica runs a decode-only stretch ("epoch")
 without one event per step: step times follow `DecodeRamp`, and the epoch ends
 at the next sequence completion, or earlier, at the first step boundary after
-new work arrives (a cut). Per-request worst gaps come from a log of each
-step's (or epoch's longest step's) duration.
+new work arrives (a cut). Per-request worst gaps come from the step times
+(an epoch's longest step stands for its steps), kept as suffix maxima: the
+worst step since a sequence joined is one binary search away.
 
 Memory: `capacity` KV tokens. A request's `Lease` holds its blocks (the cached
 prefix it reuses, then everything it will write, reserved on admission); the
@@ -21,6 +22,7 @@ exceeds memory, so a huge request delays others instead of wedging the replica.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import count
@@ -32,7 +34,7 @@ from app.sim.perf import DecodeRamp, PerfModel
 
 IDLE, STEP, EPOCH, ENDING = 0, 1, 2, 3
 WAITING, RUNNING, DONE = 0, 1, 2
-_LOG_TRIM = 1 << 16
+_MONO_TRIM = 1 << 12
 
 
 class Lease:
@@ -100,11 +102,13 @@ class Instance:
         self.capacity = capacity
         self.block = block_size
         self.cache = PrefixCache(capacity, block_size)
+        self.kv_blocks = capacity // block_size
+        """KV capacity in blocks: what the conductor's index is told (`num_kv_blocks`)."""
         self.reserved = 0
         self.active = 0
-        """Open leases: the load figure routing compares."""
-        self.relays = 0
-        """Relays in progress (relay decoders only)."""
+        """Open leases."""
+        self.streams = 0
+        """Requests the conductor has in flight here: its routing load (EngineClient.load)."""
         self.state = IDLE
         self.prefill_q: deque[PrefillJob] = deque()
         self.admitted_prefills = 0
@@ -116,8 +120,12 @@ class Instance:
         self.fin_heap: list[tuple[int, int, Seq]] = []
         self._order = count()
         self.removals: list[Seq] = []
-        self.log: list[float] = []
-        self.log_base = 0
+        self.log_n = 0
+        """Step records so far (a step, or an epoch)."""
+        self.mono_i: list[int] = []
+        self.mono_v: list[float] = []
+        """Records that are longer than every later one (indices ascending, times descending)."""
+        self.trim_at = _MONO_TRIM
         self.version = 0
         self.t0 = 0.0
         self.s0 = 0
@@ -131,11 +139,6 @@ class Instance:
         self.decode_tokens = 0
 
     # ---- leases and the prefix cache ----------------------------------------------
-
-    def cached_for(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int]) -> int:
-        """Tokens of a new prompt this replica holds, without touching the cache."""
-        entry = self.cache.peek(key)
-        return 0 if entry is None else usable_tokens(entry[0], entry[1], prefix_tokens, divergences)
 
     def open(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int]) -> Lease:
         """Claim the conversation's cached prefix for a request (its blocks stop being evictable)."""
@@ -251,7 +254,7 @@ class Instance:
             seq.state = RUNNING
             seq.join = self.steps
             seq.fin = self.steps + seq.n
-            seq.log0 = self.log_base + len(self.log)
+            seq.log0 = self.log_n
             self.n += 1
             self.kv += seq.ctx
             heapq.heappush(self.fin_heap, (seq.fin, next(self._order), seq))
@@ -322,7 +325,7 @@ class Instance:
         self.steps += 1
         self.decode_tokens += self.n
         self.kv += self.n
-        self.log.append(dt)
+        self._note(dt)
         done = []
         q = self.prefill_q
         for job, c in self.chunks:
@@ -351,7 +354,7 @@ class Instance:
         self.steps += m
         self.decode_tokens += m * n
         self.kv += m * n
-        self.log.append(self.ramp.step(m - 1))  # steps only grow within an epoch
+        self._note(self.ramp.step(m - 1))  # steps only grow within an epoch
         self._boundary(now)
         self.state = IDLE
         self._plan(now)
@@ -366,8 +369,6 @@ class Instance:
                     self.kv -= seq.ctx + (steps - seq.join)
             self.removals.clear()
         heap = self.fin_heap
-        log = self.log
-        end = self.log_base + len(log)
         while heap and heap[0][0] <= steps:
             seq = heapq.heappop(heap)[2]
             if seq.state != RUNNING:
@@ -375,17 +376,26 @@ class Instance:
             seq.state = DONE
             self.n -= 1
             self.kv -= seq.ctx + (steps - seq.join)
-            seq.cb(seq, max(log[seq.log0 - self.log_base:]) if seq.log0 < end else 0.0)
-        if len(log) > _LOG_TRIM:
-            self._trim_log()
+            seq.cb(seq, self._worst_since(seq.log0))
+
+    def _note(self, dt: float) -> None:
+        mi, mv = self.mono_i, self.mono_v
+        while mv and mv[-1] <= dt:
+            mv.pop()
+            mi.pop()
+        mi.append(self.log_n)
+        mv.append(dt)
+        self.log_n += 1
+        if len(mi) > self.trim_at:
+            self._trim()
 
     def _worst_since(self, log0: int) -> float:
-        i = log0 - self.log_base
-        return max(self.log[i:]) if i < len(self.log) else 0.0
+        j = bisect_left(self.mono_i, log0)
+        return self.mono_v[j] if j < len(self.mono_v) else 0.0
 
-    def _trim_log(self) -> None:
-        oldest = min((s.log0 for _, _, s in self.fin_heap if s.state == RUNNING), default=self.log_base + len(self.log))
-        drop = oldest - self.log_base
-        if drop > 0:
-            del self.log[:drop]
-            self.log_base = oldest
+    def _trim(self) -> None:
+        """Forget records older than every running sequence (a long run of shrinking steps)."""
+        oldest = min((s.log0 for _, _, s in self.fin_heap if s.state == RUNNING), default=self.log_n)
+        j = bisect_left(self.mono_i, oldest)
+        del self.mono_i[:j], self.mono_v[:j]
+        self.trim_at = max(_MONO_TRIM, 2 * len(self.mono_i))

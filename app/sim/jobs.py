@@ -4,36 +4,40 @@ from __future__ import annotations
 
 from app.policy import Pipeline
 from app.sim.engine import Instance, Lease, Seq
+from app.sim.routing import Conversation, KeyChain
 from app.sim.workload import Request
 
 
 class Session:
-    __slots__ = ("divs", "stream", "prefill", "main", "relay", "busy", "waiting")
+    __slots__ = ("divs", "stream", "conv", "busy", "waiting")
 
     def __init__(self) -> None:
         self.divs: list[int] = []
         """Tokens kept at each context rewrite (see app/sim/cache.usable_tokens)."""
         self.stream = 0
-        self.prefill: int | None = None
-        self.main: int | None = None
-        self.relay: int | None = None
+        self.conv = Conversation()
+        """The conversation's block keys, as the conductor's index sees them."""
         self.busy = False
         self.waiting: list[Request] = []
 
 
 class Job:
     __slots__ = (
-        "rid", "req", "sess", "gen", "pipe", "t_first", "t_last", "gap", "done",
-        "p", "pl", "d", "dl", "r", "rl", "pulls", "seq", "sent", "rounds", "hmode", "cap",
-        "relay_open", "relay_tokens", "t_relay_last", "handed", "wan", "t_prev", "off",
+        "rid", "req", "sess", "gen", "pipe", "keys", "full", "t_first", "t_last", "gap", "done",
+        "p", "pl", "d", "dl", "r", "rl", "md", "pulls", "seq", "sent", "rounds", "hmode", "cap",
+        "capped", "relay_tokens", "t_relay_last", "handed", "wan", "t_prev", "off",
     )
 
-    def __init__(self, rid: int, req: Request, sess: Session, gen: int):
+    def __init__(self, rid: int, req: Request, sess: Session, gen: int, full: KeyChain, block: int):
         self.rid = rid
         self.req = req
         self.sess = sess
         self.gen = gen
         self.pipe = Pipeline.colocated
+        self.full = full
+        """Keys of the turn's whole stream (prompt + output): what a finished request leaves."""
+        self.keys = full.head(req.prompt_tokens // block)
+        """Keys of the prompt: what routing looks up."""
         self.t_first = -1.0
         self.t_last = -1.0
         self.gap = 0.0
@@ -41,17 +45,22 @@ class Job:
         self.p: Instance | None = None
         self.pl: Lease | None = None
         self.d: Instance | None = None
-        """The replica that finishes the request (MD, or the PD decoder)."""
+        """The replica that finishes the request (MD, the PD decoder, or RLD on P-RLD)."""
         self.dl: Lease | None = None
         self.r: Instance | None = None
         self.rl: Lease | None = None
+        self.md: Instance | None = None
+        """The main decoder routing chose (PDD)."""
         self.pulls = 0
         self.seq: Seq | None = None
+        """The relay's running sequence (its client-visible tokens, then past its cap the discarded ones)."""
         self.sent = 0
+        """Relay tokens MD has been sent (covered by its extend steps)."""
         self.rounds = 0
         self.hmode = None
         self.cap = 0
-        self.relay_open = False
+        self.capped = False
+        """The relay reached its cap: the client has `relay_tokens` relay tokens, RLD's later ones are discarded."""
         self.relay_tokens = 0
         self.t_relay_last = -1.0
         self.handed = False

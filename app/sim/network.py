@@ -25,7 +25,7 @@ from app.sim.events import Loop
 
 
 class Link:
-    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan")
+    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan", "down")
 
     def __init__(self, loop: Loop, config: LinkConfig, seed: int = 0):
         self.loop = loop
@@ -39,6 +39,8 @@ class Link:
         self.bytes = 0
         self.transfers = 0
         self.wan = config.between[0] != config.between[1]
+        self.down: list[tuple[float, float]] = []
+        """Windows [start, end) in which the link is cut: a transfer starts after them."""
 
     def send(self, nbytes: int, done: Callable[[Any], None], arg: Any) -> None:
         """Move `nbytes`; call `done(arg)` when the last byte arrived (at once for 0 bytes)."""
@@ -47,8 +49,12 @@ class Link:
             loop.at(loop.now, done, arg)
             return
         self.transfers += 1
+        start = loop.now
+        for s, e in self.down:
+            if s <= start < e:
+                start = e
         delay = self.model.first_byte_delay_s() + self.model.stall_s()
-        loop.at(loop.now + delay, self._start, (nbytes, done, arg))
+        loop.at(start + delay, self._start, (nbytes, done, arg))
 
     def _advance(self, now: float) -> None:
         n = len(self.heap)

@@ -6,7 +6,8 @@ running sequences. Two models answer the same questions:
 
 - `Roofline`: from the accelerator's peak FLOP/s and memory bandwidth and the
   model's size figures (config: `node_groups.*.spec`, `model.spec`); a step
-  takes the longer of its compute time and its memory time.
+  takes the longer of its compute time and its memory time (weights, plus the
+  KV attention reads: `kv_read_bytes_per_token` per context token).
 - `FittedPerf`: `step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read`,
   fitted by least squares from measured steps (`fit_from_samples`); the
   calibration path for machines without a spec, such as the CPU dev cluster.
@@ -62,7 +63,7 @@ class Roofline:
         self.attn_flops = model.attention_flops_per_token_pair
         self.active_bytes = model.active_params_b * 1e9 * model.weight_bytes_per_param
         self.total_bytes = (model.total_params_b or model.active_params_b) * 1e9 * model.weight_bytes_per_param
-        self.kv_bytes = model.kv_bytes_per_token
+        self.kv_bytes = model.kv_read_bytes_per_token or model.kv_bytes_per_token
         self.overhead_s = acc.step_overhead_ms / 1000
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float) -> float:

@@ -11,7 +11,7 @@ from app.config import PDDConfig
 from app.sim.cluster import PerfArg
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
-from app.sim.twin import Twin
+from app.sim.twin import Outage, Twin
 from app.sim.workload import AgenticWorkload, Request, fixed_hit, read_trace
 
 Workload = AgenticWorkload | Iterable[Request] | str | Path
@@ -42,9 +42,12 @@ class SimRun:
 
 
 def simulate(config: PDDConfig, workload: Workload, perf: PerfArg = None, seed: int = 0,
-             progress: Callable[[int], None] | None = None) -> SimRun:
-    """Serve `workload` on the cluster `config` describes (its `mode`) and return every request's outcome."""
-    twin = Twin(config, perf, seed, progress)
+             progress: Callable[[int], None] | None = None, *, outages: Iterable[Outage] = ()) -> SimRun:
+    """Serve `workload` on the cluster `config` describes (its `mode`) and return every request's outcome.
+
+    `outages`: windows in which the WAN is cut or no main decoder is alive (PDD routes around them).
+    """
+    twin = Twin(config, perf, seed, progress, outages)
     results = twin.run(requests_of(workload))
     return SimRun(config, results, twin.delayed_turns, twin.loop.events)
 
@@ -69,9 +72,10 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
                    warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None) -> SearchResult:
     """Bisection for the highest RPS whose run meets the config's SLO.
 
-    Doubles from `lo` until a run fails, then bisects (geometrically) until
-    the bracket is within `rel_tol`. Every probe replays the same sessions
-    (same seed), only faster or slower, so noise between probes stays small.
+    Doubles from `lo` until a run fails (or halves until one meets it, down to
+    lo / 64), then bisects (geometrically) until the bracket is within
+    `rel_tol`. Every probe replays the same sessions (same seed), only faster
+    or slower, so noise between probes stays small.
     """
     out = SearchResult(0.0, None)
 
@@ -85,9 +89,17 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
             out.rps, out.summary = rps, s
         return ok
 
-    if not probe(lo):
-        return out
-    good, bad = lo, None
+    if probe(lo):
+        good, bad = lo, None
+    else:
+        good, bad = None, lo
+        while good is None and bad / 2 >= lo / 64 and len(out.probes) < max_runs:
+            if probe(bad / 2):
+                good = bad / 2
+            else:
+                bad /= 2
+        if good is None:
+            return out
     while bad is None and len(out.probes) < max_runs:
         nxt = good * 2
         if probe(nxt):

@@ -1,11 +1,17 @@
 """The twin's conductor: every request through its mode's pipeline.
 
-Decisions are app.policy's, called with the facts the twin holds (the same
-functions the real conductor calls): the replica by conversation affinity
-(`pick_replica`), the pipeline (`choose_pipeline`), what crosses a link
-(`blocks_missing`), the relay's cap (`relay_cap`) and the handoff
-(`resolve_handoff_mode`, `next_handoff_step`). What is not a decision is
-physics: engines (app/sim/engine.py) and links (app/sim/network.py).
+Decisions are the real conductor's, made by the same code on the facts the
+twin holds: replicas by app/prefix_index.PrefixIndex (`choose` when routing,
+`route` what was sent where, `unroute` what will not land after all, `observe`
+the hit the engine reports and `record` what a replica now holds; keys are
+synthesised per conversation by app/sim/routing.py), the pipeline by
+`policy.choose_pipeline`, what crosses a link by `policy.blocks_missing`, the
+relay's cap by `policy.relay_cap` and the handoff by
+`policy.resolve_handoff_mode` / `policy.next_handoff_step`. The calls come in
+the conductor's order (app/conductor.py, app/relay.py), and the load routing
+compares is the conductor's: requests it has in flight on each replica
+(`Instance.streams`). What is not a decision is physics: engines
+(app/sim/engine.py) and links (app/sim/network.py).
 
 A conversation's turns are sequential: a turn due while the previous one
 still runs is sent when that one finishes (an agent waits for the answer),
@@ -17,26 +23,34 @@ messages from another datacenter pay half the link's base RTT.
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.
-- pd_intra_dc (P-D): P prefills and streams the first token; relay_decode
-  pulls the blocks it lacks over the intra-DC link and decodes the rest.
+- pd_intra_dc (P-D): P prefills and streams the first token; relay_decode,
+  routed then, pulls the blocks it lacks over the intra-DC link and decodes.
 - pd_cross_dc_naive (P-D-naive): main_decode pulls the full prompt KV over
   the WAN (its own cache unused), computes the first token's KV and only then
   do tokens 1 and 2 reach the client.
-- pdd, P-MD: the first token from P; MD pulls only what it lacks over the WAN.
-- pdd, P-RLD-MD: the first token from P; RLD pulls over the intra-DC link and
-  decodes eagerly (up to its cap) while MD pulls over the WAN; then MD
-  recomputes the eager tokens in extend steps (catch-up rounds while RLD
-  keeps going, then a final one that stops RLD) and continues the stream.
-  A request that RLD finishes before MD is ready ends on RLD; MD's pull still
-  lands in its cache. Once RLD has stopped at its cap, the next round is the
-  final one: there is nothing left to overlap.
-- pdd, P-RLD (singular filter): RLD decodes everything.
+- pdd: MD is routed first, then the pipeline chosen, then P routed.
+  - P-MD: the first token from P; MD pulls only what it lacks over the WAN
+    and continues.
+  - P-RLD-MD: the first token from P; RLD pulls over the intra-DC link and
+    decodes while MD warms (pulls over the WAN, then computes the first
+    token's KV). Each finished MD step is a handoff decision: a catch-up round
+    (MD computes the eager tokens so far while RLD keeps going) or the final
+    one (RLD is aborted, MD computes the rest and continues the stream). At
+    its cap the relay's tokens stop reaching the client, but RLD's request
+    keeps decoding (discarded) until the final step aborts it, as relay.py's
+    pump does; the next round is then the final one. A request RLD finishes
+    before any handoff ends there; MD's step in flight still completes and
+    lands in its cache.
+  - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
+    everything. Outages (`Outage`) set those facts for requests routed
+    during them; a transfer cannot start on a down link until it is back.
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from app.config import Mode, PDDConfig, RoleName
 from app.policy import (
@@ -48,24 +62,37 @@ from app.policy import (
     blocks_missing,
     choose_pipeline,
     next_handoff_step,
-    pick_replica,
     relay_cap,
     resolve_handoff_mode,
 )
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, model_spec
-from app.sim.engine import DONE, Instance, Lease, PrefillJob, Seq
+from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.results import Results
+from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.workload import Request
 
+P_MD, P_RLD_MD, P_RLD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_d_naive
+
+
+class Outage(NamedTuple):
+    """`what` is unavailable in [start_s, end_s): "wan" (the P <-> MD link is cut) or
+    "main_decode" (no main decoder alive)."""
+
+    start_s: float
+    end_s: float
+    what: str
+
+
+OUTAGE_KINDS = ("wan", "main_decode")
 
 
 class Twin:
     """One simulation run of a config; `run(requests)` serves them all and returns Results."""
 
     def __init__(self, config: PDDConfig, perf: PerfArg = None, seed: int = 0,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None, outages: Iterable[Outage] = ()):
         self.config = config
         self.mode = config.mode
         self.loop = Loop()
@@ -86,7 +113,19 @@ class Twin:
         # one-way latency of tokens and control messages from main_decode to the client
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
-        self._cluster_facts: dict[float, ClusterFacts] = {}
+        self.outages = {kind: [(o.start_s, o.end_s) for o in outages if o.what == kind] for kind in OUTAGE_KINDS}
+        unknown = {o.what for o in outages} - set(OUTAGE_KINDS)
+        if unknown:
+            raise ValueError(f"unknown outage kind(s) {sorted(unknown)}; known: {', '.join(OUTAGE_KINDS)}")
+        if self.wan is not None:
+            self.wan.down = self.outages["wan"]
+        self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
+        self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
+        self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
+        replicas = self.replicas
+        self._load: Callable[[str], int] = lambda rid: replicas[rid].streams
+        self.keymaker = KeyMaker(self.block)
+        self._cluster_facts: dict[tuple[float, bool, bool, bool], ClusterFacts] = {}
         self.sessions: dict[object, Session] = {}
         self.results = Results()
         self.progress = progress
@@ -132,7 +171,8 @@ class Twin:
         if req.prefix_tokens < sess.stream:
             sess.divs.append(req.prefix_tokens)
         sess.stream = req.prompt_tokens + req.output_tokens
-        job = Job(self._rid, req, sess, len(sess.divs))
+        full = self.keymaker.turn(sess.conv, req.prefix_tokens, sess.stream)
+        job = Job(self._rid, req, sess, len(sess.divs), full, self.block)
         self._rid += 1
         mode = self.mode
         if mode is Mode.pdd:
@@ -140,23 +180,48 @@ class Twin:
         elif mode is Mode.colocated:
             self._colocated(job)
         elif mode is Mode.pd_intra_dc:
-            self._pd(job)
+            self._start_prefill(job, self._pd_first)
         else:
-            self._naive(job)
+            self._start_prefill(job, self._naive_first)
 
-    def _pick(self, pool: list[Instance], sess: Session, attr: str) -> Instance:
-        preferred = getattr(sess, attr)
-        # with a preferred replica the choice reads only how many there are: skip gathering loads
-        loads = pool if preferred is not None else [inst.active for inst in pool]
-        i = pick_replica(preferred, loads)
-        setattr(sess, attr, i)
-        return pool[i]
+    def _down(self, kind: str) -> bool:
+        windows = self.outages[kind]
+        if not windows:
+            return False
+        now = self.loop.now
+        return any(s <= now < e for s, e in windows)
+
+    # ---- the conductor's index (Conductor.route / unroute / remember) ------------------
+
+    def _route(self, role: RoleName, keys: KeyChain) -> tuple[Instance, int]:
+        index = self.index
+        choice = index.choose(self.candidates[role], keys, self._load)
+        inst = self.replicas[choice.replica_id]
+        # the next turn may arrive before this one ends: it should come here too
+        index.route(inst.name, keys, inst.kv_blocks)
+        return inst, choice.cached_tokens
+
+    def _remember(self, inst: Instance, keys: KeyChain, job: Job, actual_hit: int | None) -> None:
+        if actual_hit is not None:
+            self.index.observe(inst.name, job.keys, actual_hit)
+        self.index.record(inst.name, keys, inst.kv_blocks)
+
+    def _settle(self, job: Job) -> None:
+        """The finishing decoder's stream ends; what it now holds goes into the index."""
+        d = job.d
+        d.streams -= 1
+        pipe = job.pipe
+        if pipe is P_D_NAIVE:  # salted blocks serve no later request
+            return
+        # relay.py remembers MD without the engine's hit (the final request's prefix is MD's own extend steps)
+        self._remember(d, job.full, job, None if pipe is P_RLD_MD else job.dl.hit)
+
+    # ---- requests ---------------------------------------------------------------------
 
     def _finish(self, job: Job) -> None:
         if job.done:
             raise AssertionError(f"request {job.rid} finished twice")
         job.done = True
-        job.seq = None
         req = job.req
         self.results.add(job.rid, req.arrival_s, job.t_first, job.t_last, job.gap, job.pipe, req.prompt_tokens,
                          req.output_tokens, job.pl.hit if job.pl else 0, job.dl.hit if job.dl else 0,
@@ -172,22 +237,44 @@ class Twin:
     def _first_token(self, job: Job, t: float) -> bool:
         """Record the first token; True when it was also the last."""
         job.t_first = t
+        job.t_relay_last = t
         if job.req.output_tokens == 1:
             job.t_last = t
             return True
         return False
 
-    def _prefill(self, job: Job, inst: Instance, lease: Lease, need: int, cb: Callable[[PrefillJob], None]) -> None:
+    def _prefill(self, job: Job, inst: Instance, need: int, cb: Callable[[PrefillJob], None]) -> None:
         prompt = job.req.prompt_tokens
+        lease = job.pl
         hit = lease.hit if lease.hit < prompt else prompt - 1
         inst.submit_prefill(PrefillJob(job, prompt - hit, hit, need, lease, cb))
 
-    def _decode(self, job: Job, inst: Instance, lease: Lease, ctx: int, n: int, t_prev: float, off: float,
+    def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None:
+        """Conductor.prefill: route P by prefix, P computes the prompt and its first token."""
+        req = job.req
+        p, _ = self._route(RoleName.prefill, job.keys)
+        job.p = p
+        p.streams += 1
+        job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs)
+        self._prefill(job, p, req.prompt_tokens, cb)
+
+    def _prefilled(self, job: Job) -> None:
+        """P's stream ended: its real hit corrects the index, which then records the prompt."""
+        p = job.p
+        p.streams -= 1
+        self._remember(p, job.keys, job, job.pl.hit)
+
+    def _open_decoder(self, job: Job, inst: Instance, prefix_tokens: int) -> None:
+        job.d = inst
+        inst.streams += 1
+        job.dl = inst.open(job.req.session, prefix_tokens, job.sess.divs)
+
+    def _decode(self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float,
                 cb: Callable[[Seq, float], None] | None = None) -> Seq:
         """Continue the stream on `inst` from `ctx` tokens; its tokens reach the client `off` later."""
         job.t_prev = t_prev
         job.off = off
-        seq = Seq(job, ctx, n, ctx + n, lease, cb or self._decoded)
+        seq = Seq(job, ctx, n, ctx + n, job.dl, cb or self._decoded)
         inst.submit_decode(seq)
         return seq
 
@@ -198,6 +285,7 @@ class Twin:
         job.t_last = self.loop.now + off
         req = job.req
         seq.inst.close(seq.lease, req.prompt_tokens + req.output_tokens - 1, job.gen)
+        self._settle(job)
         self._finish(job)
 
     def _send(self, link, job: Job, blocks: int, done: Callable[[Job], None]) -> None:
@@ -217,9 +305,10 @@ class Twin:
     def _colocated(self, job: Job) -> None:
         job.pipe = Pipeline.colocated
         req = job.req
-        d = job.d = self._pick(self.M, job.sess, "main")
-        job.dl = job.pl = d.open(req.session, req.prefix_tokens, job.sess.divs)  # one engine: one lease
-        self._prefill(job, d, job.dl, req.prompt_tokens + req.output_tokens, self._colocated_first)
+        d, _ = self._route(RoleName.main_decode, job.keys)
+        self._open_decoder(job, d, req.prefix_tokens)
+        job.pl = job.dl  # one engine: one lease
+        self._prefill(job, d, req.prompt_tokens + req.output_tokens, self._colocated_first)
 
     def _colocated_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
@@ -227,58 +316,45 @@ class Twin:
         req = job.req
         if self._first_token(job, now):
             job.d.close(job.dl, req.prompt_tokens, job.gen)
+            self._settle(job)
             self._finish(job)
             return
-        self._decode(job, job.d, job.dl, req.prompt_tokens + 1, req.output_tokens - 1, now, 0.0)
+        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, now, 0.0)
 
     # ---- classic PD ------------------------------------------------------------------
-
-    def _open_prefill(self, job: Job) -> None:
-        req = job.req
-        p = job.p = self._pick(self.P, job.sess, "prefill")
-        job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs)
-
-    def _pd(self, job: Job) -> None:
-        job.pipe = Pipeline.p_d
-        req = job.req
-        self._open_prefill(job)
-        d = job.d = self._pick(self.R, job.sess, "relay")
-        job.dl = d.open(req.session, req.prefix_tokens, job.sess.divs)
-        self._prefill(job, job.p, job.pl, req.prompt_tokens, self._pd_first)
 
     def _pd_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
+        job.pipe = Pipeline.p_d
+        self._prefilled(job)
         if self._first_token(job, self.loop.now):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
-            job.d.close(job.dl, job.dl.hit, job.gen)
             self._finish(job)
             return
+        d, _ = self._route(RoleName.relay_decode, job.keys)
+        self._open_decoder(job, d, req.prefix_tokens)
         job.pulls = 1
         self._send(self.intra, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
 
     def _pd_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
-        self._decode(job, job.d, job.dl, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
+        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
 
-    def _naive(self, job: Job) -> None:
-        job.pipe = Pipeline.p_d_naive
-        req = job.req
-        self._open_prefill(job)
-        d = job.d = self._pick(self.M, job.sess, "main")
-        job.dl = d.open(req.session, 0, job.sess.divs)  # the naive decoder skips its prefix cache
-        self._prefill(job, job.p, job.pl, req.prompt_tokens, self._naive_prefilled)
-
-    def _naive_prefilled(self, pj: PrefillJob) -> None:
+    def _naive_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
+        job.pipe = P_D_NAIVE
+        self._prefilled(job)
         if req.output_tokens == 1:
             self._first_token(job, self.loop.now)
             job.p.close(job.pl, req.prompt_tokens, job.gen)
-            job.d.close(job.dl, 0, job.gen)
             self._finish(job)
             return
+        d, _ = self._route(RoleName.main_decode, job.keys)
+        self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
+        self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
         job.pulls = 1
         self._send(self.wan, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
 
@@ -297,147 +373,176 @@ class Twin:
         if req.output_tokens <= 2:
             job.t_last = t
             job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)
+            self._settle(job)
             self._finish(job)
             return
-        self._decode(job, job.d, job.dl, req.prompt_tokens + 2, req.output_tokens - 2, t, self.ow)
+        self._decode(job, job.d, req.prompt_tokens + 2, req.output_tokens - 2, t, self.ow)
 
-    # ---- PDD -------------------------------------------------------------------------
+    # ---- PDD (app/relay.py) ----------------------------------------------------------
 
     def _pdd(self, job: Job) -> None:
         req = job.req
-        sess = job.sess
-        md = self._pick(self.M, sess, "main")
-        # the least loaded relay: the one ClusterFacts.rld_load describes
-        relay_loads = [r.relays / r.max_seqs for r in self.R]
-        relay_i = pick_replica(None, relay_loads) if relay_loads else 0
-        relay_load = relay_loads[relay_i] if relay_loads else 1.0
-        facts = self._cluster_facts.get(relay_load)
-        if facts is None:  # frozen and few distinct loads: built once per load
-            facts = self._cluster_facts[relay_load] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, relay_load, bool(self.R))
-        decision = choose_pipeline(
-            RequestFacts(req.prompt_tokens, req.output_tokens, md.cached_for(req.session, req.prefix_tokens, sess.divs)),
-            facts,
-            self.routing,
-        )
+        md, md_cached = None, 0
+        if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
+            md, md_cached = self._route(RoleName.main_decode, job.keys)
+        job.md = md
+        # relay.rld_load: the least loaded relay decoder and its occupancy
+        rld = min(self.R, key=self._streams) if self.R else None
+        load = rld.streams / rld.max_seqs if rld is not None else 1.0
+        key = (load, rld is not None, not self._down("wan"), md is not None)
+        facts = self._cluster_facts.get(key)
+        if facts is None:  # frozen, and few distinct values: built once each
+            facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
+        decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
         job.pipe = pipe = decision.pipeline
-        self._open_prefill(job)
-        if pipe is not Pipeline.p_rld:
-            job.d = md
-            job.dl = md.open(req.session, req.prefix_tokens, sess.divs)
-        if pipe is not Pipeline.p_md:
-            r = job.r = self.R[relay_i]
-            job.rl = r.open(req.session, req.prefix_tokens, sess.divs)
-            r.relays += 1
-            job.relay_open = True
-            job.cap = relay_cap(self.handoff, relay_load)
-            job.hmode = resolve_handoff_mode(self.handoff, relay_load)
-        self._prefill(job, job.p, job.pl, req.prompt_tokens, self._pdd_first)
+        if pipe is not P_MD:
+            job.r = rld
+            job.cap = relay_cap(self.handoff, load)
+            job.hmode = resolve_handoff_mode(self.handoff, load)
+        self._start_prefill(job, self._pdd_first)
 
-    def _end_relay(self, job: Job) -> None:
-        if job.relay_open:
-            job.relay_open = False
-            job.r.relays -= 1
+    @staticmethod
+    def _streams(inst: Instance) -> int:
+        return inst.streams
 
     def _pdd_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
+        self._prefilled(job)
         if self._first_token(job, self.loop.now):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
-            if job.dl is not None:
-                job.d.close(job.dl, job.dl.hit, job.gen)
-            if job.rl is not None:
-                self._end_relay(job)
-                job.r.close(job.rl, job.rl.hit, job.gen)
             self._finish(job)
             return
         pipe = job.pipe
-        job.pulls = (pipe is not Pipeline.p_rld) + (pipe is not Pipeline.p_md)
-        if pipe is not Pipeline.p_md:
-            self._send(self.intra, job, blocks_missing(req.prompt_tokens, job.rl.hit, self.block), self._relay_pulled)
-        if pipe is not Pipeline.p_rld:
-            self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
+        prompt = req.prompt_tokens
+        if pipe is P_RLD:
+            if job.md is not None:  # singular, or WAN down: MD never sees this request
+                self.index.unroute(job.md.name, job.keys)
+            self._open_decoder(job, job.r, req.prefix_tokens)
+            job.rl = job.dl
+            job.pulls = 1
+            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
+            return
+        self._open_decoder(job, job.md, req.prefix_tokens)
+        if pipe is P_MD:
+            job.pulls = 1
+        else:
+            r = job.r
+            r.streams += 1
+            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs)
+            job.pulls = 2
+            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
+        self._send(self.wan, job, blocks_missing(prompt, job.dl.hit, self.block), self._main_pulled)
+
+    def _singular_pulled(self, job: Job) -> None:
+        self._pull_done(job)
+        req = job.req
+        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
+
+    def _end_relay(self, job: Job, keep: int) -> None:
+        """RLD's request is over (finished, or aborted at the handoff): its blocks stay cached."""
+        job.r.streams -= 1
+        job.r.close(job.rl, keep, job.gen)
+        job.seq = None
 
     def _relay_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
-        if job.pipe is Pipeline.p_rld:
-            self._decode(job, job.r, job.rl, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0,
-                         self._singular_done)
-            return
-        if job.handed:  # MD took over before the relay could start
-            self._end_relay(job)
-            job.r.close(job.rl, req.prompt_tokens, job.gen)
+        if job.handed:  # MD took over before the relay could start: its request was aborted
+            self._end_relay(job, req.prompt_tokens)
             return
         n = min(job.cap, req.output_tokens - 1)
-        job.seq = self._decode(job, job.r, job.rl, req.prompt_tokens + 1, n, job.t_first, 0.0, self._relay_stopped)
+        job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped)
 
-    def _singular_done(self, seq: Seq, worst: float) -> None:
-        self._end_relay(seq.owner)
-        self._decoded(seq, worst)
+    def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None]) -> Seq:
+        seq = Seq(job, ctx, n, ctx + n, job.rl, cb)
+        job.r.submit_decode(seq)
+        return seq
 
     def _relay_stopped(self, seq: Seq, worst: float) -> None:
-        """RLD produced its last token: the request's end, or its cap."""
+        """RLD produced the last token the client takes from it: the request's end, or the cap."""
         job: Job = seq.owner
         now = self.loop.now
         req = job.req
         job.gap = max(job.gap, seq.t_first - job.t_first, worst)
         job.relay_tokens = seq.n
         job.t_relay_last = now
-        self._end_relay(job)
-        job.r.close(job.rl, req.prompt_tokens + seq.n, job.gen)
-        if seq.n == req.output_tokens - 1:
+        if seq.n == req.output_tokens - 1:  # RLD ended the request before the handoff
+            self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
             job.t_last = now
             self._finish(job)
+            return
+        # at the cap: RLD's request goes on (its tokens discarded) until the final step aborts it
+        job.capped = True
+        job.seq = self._relay_decode(job, seq.ctx + seq.n, req.output_tokens - 1 - seq.n, self._discarded)
+
+    def _discarded(self, seq: Seq, worst: float) -> None:
+        """RLD finished the output past its cap before MD took over."""
+        self._end_relay(seq.owner, seq.ctx + seq.n)
 
     def _main_pulled(self, job: Job) -> None:
         self._pull_done(job)
-        if job.pipe is Pipeline.p_md:  # MD's request decodes as soon as its pull lands
-            req = job.req
-            self._decode(job, job.d, job.dl, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow)
+        req = job.req
+        if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands
+            self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow)
             return
-        self.loop.at(self.loop.now + self.ow, self._handoff, job)
+        # the warm request: MD computes the first token's KV (its own sampled token is discarded)
+        job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))
+
+    def _md_step_done(self, pj: PrefillJob) -> None:
+        self.loop.at(self.loop.now + self.ow, self._handoff, pj.owner)
 
     def _handoff(self, job: Job) -> None:
-        """The conductor learns MD holds the prompt KV (or finished a catch-up round)."""
+        """The conductor learns MD finished a step (the warm-up or a catch-up round)."""
         now = self.loop.now
         req = job.req
-        if job.done:  # RLD finished the request: the pull only warmed MD's cache
-            job.d.close(job.dl, req.prompt_tokens, job.gen)
+        md = job.d
+        md.streams -= 1
+        if job.done:  # RLD finished the request: the step only brought MD's cache along
+            md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
+            self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
             return
         seq = job.seq
-        if seq is None:  # the relay has not started: MD continues from token 1
-            job.handed = True
-            self._decode(job, job.d, job.dl, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow)
+        if job.capped:
+            if seq is not None:
+                produced, _, _ = job.r.abort(seq, now)
+                self._end_relay(job, seq.ctx + produced)
+            self._extend(job, job.relay_tokens, final=True)
             return
-        produced, t_last = job.r.tokens_by(seq, now)
-        stopped = seq.state == DONE
-        if not stopped:
-            step = next_handoff_step(produced - job.sent, job.rounds, job.hmode, self.handoff)
-            if step is HandoffStep.catch_up:
-                self._extend(job, produced, self._caught_up)
-                job.rounds += 1
-                return
-            produced, t_last, worst = job.r.abort(seq, now)
-            job.gap = max(job.gap, worst, seq.t_first - job.t_first if produced else 0.0)
-            job.relay_tokens = produced
-            job.t_relay_last = t_last if produced else job.t_first
-            self._end_relay(job)
-            job.r.close(job.rl, req.prompt_tokens + produced, job.gen)
-        self._extend(job, job.relay_tokens, self._handed_over)
+        if seq is None:  # the relay has not started: MD continues from the first token
+            job.handed = True
+            self._extend(job, 0, final=True)
+            return
+        produced, _ = job.r.tokens_by(seq, now)
+        step = next_handoff_step(produced - job.sent, job.rounds, job.hmode, self.handoff)
+        if step is HandoffStep.catch_up:
+            job.rounds += 1
+            self._extend(job, produced, final=False)
+            return
+        started = seq.state != WAITING
+        produced, t_last, worst = job.r.abort(seq, now)
+        if started and produced:
+            job.gap = max(job.gap, worst, seq.t_first - job.t_first)
+            job.t_relay_last = t_last
+        job.relay_tokens = produced
+        self._end_relay(job, req.prompt_tokens + 1 + produced)
+        self._extend(job, produced, final=True)
 
-    def _extend(self, job: Job, upto: int, cb: Callable[[PrefillJob], None]) -> None:
-        """Send MD the eager token ids up to `upto`; it computes their KV in one extend step.
-
-        The first extend also covers the first token (P's), whose KV MD lacks.
-        """
-        tokens = upto - job.sent + (1 if job.sent == 0 and job.rounds == 0 else 0)
-        ctx = job.req.prompt_tokens + (job.sent + 1 if job.rounds or job.sent else 0)
+    def _extend(self, job: Job, upto: int, final: bool) -> None:
+        """A new MD request: prompt + the tokens the client has, of which MD computes the
+        relay tokens it has not been sent yet in one extend step (at least one token).
+        A catch-up request stops there; the final one decodes the rest."""
+        req = job.req
+        ctx = req.prompt_tokens + 1 + job.sent
+        tokens = upto - job.sent
         job.sent = upto
-        pj = PrefillJob(job, max(1, tokens), ctx, job.req.prompt_tokens + job.req.output_tokens, job.dl, cb)
+        if final:
+            need, cb = req.prompt_tokens + req.output_tokens, self._handed_over
+        else:
+            need, cb = req.prompt_tokens + 1 + upto, self._md_step_done
+        job.d.streams += 1
+        pj = PrefillJob(job, max(1, tokens), ctx, need, job.dl, cb)
         self.loop.at(self.loop.now + self.ow, _submit, (job.d, pj))
-
-    def _caught_up(self, pj: PrefillJob) -> None:
-        self.loop.at(self.loop.now + self.ow, self._handoff, pj.owner)
 
     def _handed_over(self, pj: PrefillJob) -> None:
         """MD's final extend step produced the token after the relay's last one."""
@@ -449,9 +554,10 @@ class Twin:
         if left <= 0:
             job.t_last = t
             job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)
+            self._settle(job)
             self._finish(job)
             return
-        self._decode(job, job.d, job.dl, req.prompt_tokens + job.relay_tokens + 2, left, t, self.ow)
+        self._decode(job, job.d, req.prompt_tokens + job.relay_tokens + 2, left, t, self.ow)
 
 
 def _submit(arg: tuple[Instance, PrefillJob]) -> None:

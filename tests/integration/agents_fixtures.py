@@ -105,8 +105,9 @@ def _counter_name(spec: MetricSpec) -> str:
 class ScriptedExporter:
     """Serves one scenario's metrics over HTTP (prometheus_client), advancing with time."""
 
-    def __init__(self, levels: Levels):
+    def __init__(self, levels: Levels, application: str = APP):
         self.levels = copy.deepcopy(levels)
+        self.application = application
         self._lock = threading.Lock()
         self._t0 = self._last = time.monotonic()
         self._counts: dict[tuple, float] = {}
@@ -171,6 +172,12 @@ class ScriptedExporter:
         return fam
 
     def collect(self):
+        """Every series labelled with its Serve application, as Ray exports them."""
+        for fam in self._families():
+            fam.samples = [s._replace(labels={m.APPLICATION_LABEL: self.application, **s.labels}) for s in fam.samples]
+            yield fam
+
+    def _families(self):
         with self._lock:
             self._advance()
             lv = self.levels
@@ -212,12 +219,12 @@ class ScriptedExporter:
             ongoing = GaugeMetricFamily(prom_name(SERVE_PROCESSING), SERVE_PROCESSING.description, labels=list(SERVE_PROCESSING.labels))
             fails = CounterMetricFamily(_counter_name(SERVE_HEALTH_CHECK_FAILURES), SERVE_HEALTH_CHECK_FAILURES.description, labels=list(SERVE_HEALTH_CHECK_FAILURES.labels))
             for dep, (want, up) in lv.replicas.items():
-                target.add_metric([APP, dep], want)
+                target.add_metric([self.application, dep], want)
                 for i in range(want):
                     replica = f"{dep.lower()}-{i}"
-                    healthy.add_metric([APP, dep, replica], 1.0 if i < up else 0.0)
-                    ongoing.add_metric([APP, dep, replica], lv.ongoing.get(dep, 0.0) / want)
-                    fails.add_metric([APP, dep, replica], c.get(("health_fail", dep), 0.0) / want)
+                    healthy.add_metric([self.application, dep, replica], 1.0 if i < up else 0.0)
+                    ongoing.add_metric([self.application, dep, replica], lv.ongoing.get(dep, 0.0) / want)
+                    fails.add_metric([self.application, dep, replica], c.get(("health_fail", dep), 0.0) / want)
             yield from (healthy, target, ongoing, fails)
 
 

@@ -246,16 +246,23 @@ def test_ray_exports_the_serve_metrics_the_agents_query(standin):
 def test_graph_in_act_mode_actuates_a_real_serve(standin, tmp_path):
     config = pdd_config(mode="act", audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"))
     actuator = ServeActuator(standin, STANDIN, [RoleName.main_decode])
-    snap = healthy_snapshot(
-        time.time(),
+    breach = dict(
         tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.02},
-        kv_seconds_mean_by_link={WAN: 0.6},
         replicas_healthy_by_deployment={"MainDecode": 1.0, "Conductor": 1.0},
         replicas_target_by_deployment={"MainDecode": 1.0, "Conductor": 1.0},
     )
-    with Swarm.open(config, source=StaticSource(snap), actuator=actuator, router=RuleRouter()) as swarm:
+    # a slow WAN and a TPOT breach at once: one situation per change unit (agents/guard.py)
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(time.time(), kv_seconds_mean_by_link={WAN: 0.6}, **breach)), actuator=actuator, router=RuleRouter()) as swarm:
         state = swarm.tick()
-    assert sorted(c["target"] for c in state["applied"]) == ["replicas.main_decode", "routing.max_wan_transfer_ms"]
+    assert [c["target"] for c in state["applied"]] == ["routing.max_wan_transfer_ms"]
+    held = [d for d in state["decisions"] if d["status"] == "held"]
+    assert [d["proposal"]["change"]["target"] for d in held] == ["replicas.main_decode"]
+    assert "one situation per change unit" in held[0]["reason"]
     assert received()[-1]["routing"]["max_wan_transfer_ms"] == 100.0
+    # the TPOT breach alone, on a fresh audit trail: its replica goes through Serve's scale endpoint
+    config = config.model_copy(update={"agents": config.agents.model_copy(update={"audit_db": str(tmp_path / "audit2.sqlite")})})
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(time.time(), **breach)), actuator=actuator, router=RuleRouter()) as swarm:
+        state = swarm.tick()
+    assert [c["target"] for c in state["applied"]] == ["replicas.main_decode"]
     assert actuator.current_replicas() == {"main_decode": 2}
     assert {e["outcome"].split(";")[0] for e in filed(tmp_path)} == {"applied"}

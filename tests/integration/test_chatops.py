@@ -158,7 +158,7 @@ def llm_server(model):
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
-    exporter = ScriptedExporter(LEVELS)
+    exporter = ScriptedExporter(LEVELS, application=APP)
     prom = PrometheusServer(port=free_port(), scrape_interval_s=1, static_targets=[exporter.target], workdir=tmp_path_factory.mktemp("prom"))
     prom.start()
     # rates need two scrapes inside the window

@@ -10,6 +10,7 @@ import asyncio
 import random
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -120,8 +121,8 @@ def leases_back_to_zero(app, timeout_s: float = 40) -> bool:
     return False
 
 
-def counted(prom, spec, **labels) -> float:
-    selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+def counted(prom, app, spec, **labels) -> float:
+    selector = ",".join(f'{k}="{v}"' for k, v in {"application": app.name, **labels}.items())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         result = prom.query(f"sum({metrics.prom_name(spec)}{{{selector}}})")
@@ -131,22 +132,35 @@ def counted(prom, spec, **labels) -> float:
     return 0.0
 
 
+def wait_backlog_drained(app, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        links = httpx.get(f"{app.base_url}/pdd/state", timeout=30).json()["links"]
+        if all(link["backlog_bytes"] == 0 for link in links.values()):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def test_main_decoder_dies_mid_stream(app, faults, prom):
     # high-hit turns go P-MD: MD streams nearly every token
     prompts = [fresh(800) for _ in range(4)]
     for p in prompts:
         completion(app, p, 4)
+    # the relay answered those: MD's warm-ups are still pulling, and a WAN backlog sends
+    # the next turns through the relay; once MD holds the conversations they go P-MD
+    assert wait_backlog_drained(app), "MD's warm-ups did not finish"
     batch = Batch(app, [p + fresh(20) for p in prompts], max_tokens=300, warm_tokens=20)
     asyncio.run(batch.run(lambda: faults.kill_replica("MainDecode")))
     journeys = batch.check(app)
     assert not any(batch.errors), batch.errors
     moved = [j for j in journeys if j["failovers"]]
-    assert moved, "the killed MD served none of the batch?"
+    assert moved, ("the killed MD served none of the batch?", [(j["pipeline"], j["decision"], j.get("handoff")) for j in journeys])
     for j in moved:
         f = j["failovers"][0]
         assert f["from_role"] == "main_decode" and f["at_token"] >= 20
         assert j["completion_tokens"] == 300
-    assert counted(prom, metrics.FAILOVERS, from_role="main_decode") >= len(moved)
+    assert counted(prom, app, metrics.FAILOVERS, from_role="main_decode") >= len(moved)
     assert leases_back_to_zero(app)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import time
 from collections import Counter
+from datetime import datetime, timezone
 
 import httpx
 import pytest
@@ -79,13 +81,22 @@ def _wait_equal(prom, promql: str, expected, timeout_s: float = 90):
     return got
 
 
+def _evaluated_at(rfc3339: str) -> float:
+    """Prometheus' nanosecond RFC 3339 time as epoch seconds (year 1 before the first evaluation)."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339)
+    if not m:
+        return 0.0
+    whole = datetime.fromisoformat(m.group(1)).replace(tzinfo=timezone.utc).timestamp()
+    return whole + float(m.group(2) or 0)
+
+
 def test_kv_bytes_in_prometheus_equal_the_connector_reports(prom, traffic):
     expected: dict[str, float] = {}
     for j in traffic:
         for t in j["transfers"]:
             expected[t["link"]] = expected.get(t["link"], 0) + t["bytes"]
     assert set(expected) == {"dc-a->dc-a", "dc-a->dc-b"}
-    got = _wait_equal(prom, f"sum by (link) ({metrics.prom_name(metrics.KV_BYTES)})", expected)
+    got = _wait_equal(prom, f'sum by (link) ({metrics.prom_name(metrics.KV_BYTES)}{{application="{APP}"}})', expected)
     assert got == expected
 
 
@@ -93,20 +104,22 @@ def test_request_counts_by_pipeline(prom, traffic):
     expected = dict(Counter(j["pipeline"] for j in traffic))
     expected = {k: float(v) for k, v in expected.items()}
     assert {"P-RLD-MD", "P-MD", "P-D", "P-D-naive", "colocated"} <= set(expected)
-    got = _wait_equal(prom, f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{outcome="ok"}})', expected)
+    got = _wait_equal(prom, f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{application="{APP}",outcome="ok"}})', expected)
     assert got == expected
 
 
 def test_every_dashboard_panel_and_rule_evaluates_with_data(app, prom, traffic):
     config = PDDConfig.model_validate(app.args)
-    _wait_equal(prom, f"sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)})", {k: float(v) for k, v in Counter(j["pipeline"] for j in traffic).items()})
+    _wait_equal(prom, f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{application="{APP}"}})', {k: float(v) for k, v in Counter(j["pipeline"] for j in traffic).items()})
     for title, expr in dashboard_queries(config, app_name=APP):
         assert prom.query(expr), f"panel {title!r} returned no data: {expr}"
-    deadline = time.monotonic() + 60
-    while True:  # every rule evaluated at least once (Prometheus reports year 1 before that)
+    # the panels have data now: wait for every rule group to evaluate after this
+    # (rates need two samples of a series, so an earlier evaluation may have found none)
+    since = float(prom.query("time()")[1])  # a scalar result: [time, "value"]
+    deadline = time.monotonic() + 90
+    while True:
         groups = prom.rules()
-        pending = [r["name"] for g in groups for r in g["rules"] if r.get("lastEvaluation", "0001").startswith("0001")]
-        if not pending or time.monotonic() > deadline:
+        if all(_evaluated_at(g.get("lastEvaluation", "")) > since for g in groups) or time.monotonic() > deadline:
             break
         time.sleep(2)
     for group in groups:

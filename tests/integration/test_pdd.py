@@ -12,6 +12,7 @@ import random
 import openai
 import pytest
 
+from app.faults import Faults
 from tests.conftest import local_args
 from tests.integration.conftest import completion, deploy_app
 
@@ -62,7 +63,7 @@ def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
-        now = app.handle("Links").counters.remote().result()["dc-a->dc-b"]["bytes_down"]
+        now = Faults(app.name).link_counters("dc-a->dc-b")["bytes_down"]
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:

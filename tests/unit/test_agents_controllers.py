@@ -14,9 +14,9 @@ from agents.knobs import Change, get_knob, knob_bounds, limit, with_knobs
 from agents.observe import Snapshot
 from agents.queries import SERVE_SPECS, QuerySet
 from app import metrics as m
-from app.config import AgentsConfig, KnobBounds, LiveKnobs, RoleName
+from app.config import AgentsConfig, KnobBounds, LiveKnobs, PDDConfig, RoleName
 from app.metrics import prom_name
-from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_config
+from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_args, pdd_config
 
 ROOT = Path(__file__).resolve().parents[2]
 B = KnobBounds(min=0, max=5000, max_step=200)
@@ -119,6 +119,17 @@ def test_wan_links_compare_with_the_link_model():
     assert link.link == WAN
     assert link.expected_s == pytest.approx(0.04 + 100_000 * 8 / 40e6)
     assert link.slowdown == pytest.approx(10)
+
+
+def test_wan_links_expect_the_configured_jitter_and_stalls():
+    """A link behaving exactly as configured, jitter and stalls included, is not degraded."""
+    args = pdd_args()
+    args["links"][1] |= {"jitter": {"distribution": "lognormal", "mean_ms": 5, "std_ms": 10}, "stall": {"probability": 0.01, "duration_ms": 1000}}
+    config = PDDConfig.model_validate(args)
+    wan = config.link("dc-a", "dc-b")
+    assert f.expected_pull_s(wan, 100_000) == pytest.approx(0.04 + 0.005 + 0.01 + 100_000 * 8 / 40e6)
+    [link] = f.wan_links(healthy_snapshot(kv_seconds_mean_by_link={WAN: f.expected_pull_s(wan, 100_000)}), config)
+    assert link.slowdown == pytest.approx(1.0)
 
 
 def test_role_load_uses_serve_metrics():

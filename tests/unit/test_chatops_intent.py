@@ -135,8 +135,8 @@ def test_templates_use_the_scraped_metric_names():
     named = templates(QuerySet(window_s=60, percentile=90, app_name="pdd", matchers={"job": "x"}))
     assert prom_name(m.TTFT, "_bucket") in named["ttft_p99_by_pipeline"].promql
     assert prom_name(m.KV_FAILURES) in named["kv_failures_by_link_reason"].promql
-    assert prom_name(m.SLO_VIOLATIONS) + '{job="x"}' in named["slo_violations_by_pipeline"].promql
-    assert 'application="pdd"' in named["replicas_healthy_by_deployment"].promql
+    assert prom_name(m.SLO_VIOLATIONS) + '{application="pdd",job="x"}' in named["slo_violations_by_pipeline"].promql
+    assert all('application="pdd"' in t.promql for t in named.values()), "every query selects its Serve app"
     assert all(t.description for t in named.values())
 
 

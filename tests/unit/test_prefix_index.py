@@ -1,4 +1,4 @@
-from app.prefix_index import PrefixIndex, ReplicaCache, block_keys
+from app.prefix_index import PrefixIndex, block_keys
 
 
 def test_keys_chain_so_a_block_depends_on_everything_before_it():
@@ -42,12 +42,34 @@ def test_engine_report_corrects_evictions():
 
 
 def test_capacity_is_lru_bounded():
-    cache = ReplicaCache(capacity_blocks=3)
-    cache.add([1, 2, 3])
-    cache.add([1])  # touch 1
-    cache.add([4])
-    assert len(cache) == 3
-    assert cache.matched_blocks([1]) == 1 and cache.matched_blocks([2]) == 0
+    idx = PrefixIndex(32)
+    idx.record("md", [1, 2, 3], capacity_blocks=3)
+    idx.record("md", [1], capacity_blocks=3)  # touch 1
+    idx.record("md", [4], capacity_blocks=3)
+    assert idx.estimate("md", [1]) == 32 and idx.estimate("md", [2]) == 0
+
+
+def test_routed_blocks_keep_affinity_but_are_not_counted_as_held():
+    """A turn routed to md-1 and still running: the next turn goes there too,
+    but expects no hit until the first one is confirmed."""
+    idx = PrefixIndex(32)
+    keys = idx.keys(list(range(320)))
+    replicas = {"md-0": 1000, "md-1": 1000}
+    idx.route("md-1", keys, 1000)
+    choice = idx.choose(replicas, keys, load=lambda rid: 0)
+    assert choice.replica_id == "md-1" and choice.cached_tokens == 0
+    idx.record("md-1", keys, 1000)
+    assert idx.choose(replicas, keys, load=lambda rid: 0).cached_tokens == 320
+    idx.unroute("md-1", keys)  # confirmed blocks stay
+    assert idx.estimate("md-1", keys) == 320
+
+
+def test_unroute_forgets_unconfirmed_blocks():
+    idx = PrefixIndex(32)
+    keys = idx.keys(list(range(320)))
+    idx.route("md-1", keys, 1000)
+    idx.unroute("md-1", keys)
+    assert idx.choose({"md-0": 1000, "md-1": 1000}, keys, load=lambda rid: {"md-0": 0, "md-1": 1}[rid]).replica_id == "md-0"
 
 
 def test_new_conversations_spread_and_stay_put():

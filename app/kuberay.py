@@ -1,0 +1,146 @@
+"""A KubeRay RayService (plus the agents' Deployment) generated from a serve config.
+
+One source of truth: the serve config. Its node groups become Ray worker groups
+(one per node group, pinned to the group's datacenter as a Kubernetes zone and
+to its accelerator as a GPU product), each pod offering the group's Ray
+resources and datacenter label exactly as `pdd cluster up` does locally; the
+serve config itself is embedded as `serveConfigV2`; the agents run beside the
+cluster as their own Deployment, reading the same config from a ConfigMap.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.cluster import CLUSTER_ENV, DATACENTER_LABEL
+from app.config import load_config
+
+RAY_VERSION = "2.60.0"
+METRICS_PORT = 8080
+GPUS_PER_NODE = 8
+#: Kubernetes node labels (NVIDIA GPU feature discovery, well-known zone label).
+GPU_PRODUCT = {"H100": "NVIDIA-H100-80GB-HBM3", "H200": "NVIDIA-H200"}
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def _container(name: str, image: str, gpus: int, cpus: int, memory: str) -> dict[str, Any]:
+    limits: dict[str, Any] = {"cpu": str(cpus), "memory": memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    return {
+        "name": name,
+        "image": image,
+        "resources": {"limits": limits, "requests": dict(limits)},
+        "env": [{"name": k, "value": v} for k, v in CLUSTER_ENV.items()],
+        "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
+    }
+
+
+def _pod_template(container: dict[str, Any], node_selector: dict[str, str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"containers": [container]}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    return {
+        # Prometheus scrapes every Ray pod's metrics agent (ours and Serve's metrics)
+        "metadata": {"annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}},
+        "spec": spec,
+    }
+
+
+def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prometheus_url: str = "http://prometheus:9090") -> list[dict[str, Any]]:
+    doc = yaml.safe_load(serve_config_path.read_text())
+    config = load_config(serve_config_path)
+    serve_config = {k: v for k, v in doc.items() if k in ("proxy_location", "http_options", "applications")}
+    workers = []
+    for group_name, group in config.node_groups.items():
+        gpus_needed = sum(rc.replicas * group.num_gpus for rc in config.roles.present().values() if rc.node_group == group_name)
+        max_gpus = sum(rc.max_replicas * group.num_gpus for rc in config.roles.present().values() if rc.node_group == group_name)
+        per_pod = min(GPUS_PER_NODE, int(group.num_gpus)) or GPUS_PER_NODE
+        resources = {name_: 100 for name_ in group.resources}
+        start_params = {
+            "num-gpus": str(per_pod),
+            "resources": f"'{json.dumps(resources)}'",
+            "labels": f"{DATACENTER_LABEL}={group.datacenter}",
+            "metrics-export-port": str(METRICS_PORT),
+        }
+        selector = {ZONE_LABEL: group.datacenter}
+        if group.accelerator in GPU_PRODUCT:
+            selector["nvidia.com/gpu.product"] = GPU_PRODUCT[group.accelerator]
+        workers.append({
+            "groupName": group_name,
+            "replicas": max(1, math.ceil(gpus_needed / per_pod)),
+            "minReplicas": max(1, math.ceil(gpus_needed / per_pod)),
+            "maxReplicas": max(1, math.ceil(max_gpus / per_pod)),
+            "rayStartParams": start_params,
+            "template": _pod_template(_container("ray-worker", image, per_pod, 32, "1000Gi"), selector),
+        })
+    head_params = {"dashboard-host": "0.0.0.0", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
+    ray_service = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": name},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": False,
+                "headGroupSpec": {"rayStartParams": head_params, "template": _pod_template(_container("ray-head", image, 0, 8, "32Gi"), {})},
+                "workerGroupSpecs": workers,
+            },
+        },
+    }
+    # the agents reach the dashboard and Prometheus through in-cluster services
+    agents_doc = copy.deepcopy(doc)
+    agents_args = agents_doc["applications"][0]["args"].setdefault("agents", {})
+    agents_args.update(dashboard_url=f"http://{name}-head-svc:8265", prometheus_url=prometheus_url)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config"},
+        "data": {"serve.yaml": yaml.safe_dump(agents_doc, sort_keys=False)},
+    }
+    agents = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"{name}-agents"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": f"{name}-agents"}},
+            "template": {
+                "metadata": {"labels": {"app": f"{name}-agents"}},
+                "spec": {
+                    "containers": [{
+                        "name": "agents",
+                        "image": image,
+                        "command": ["pdd", "agents", "run", "--config", "/etc/pdd/serve.yaml"],
+                        "env": [{"name": "RAY_AUTH_MODE", "value": "token"}],
+                        "volumeMounts": [{"name": "config", "mountPath": "/etc/pdd"}],
+                    }],
+                    "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
+                },
+            },
+        },
+    }
+    return [ray_service, config_map, agents]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the embedded serve config) as readable `|` blocks."""
+
+
+_Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def render(serve_config_path: Path, image: str, name: str = "pdd-serve", prometheus_url: str = "http://prometheus:9090") -> str:
+    header = (
+        f"# Generated by `pdd kuberay` from {serve_config_path.name}; edit the serve config, not this file.\n"
+        "# Not yet applied to a real Kubernetes cluster: checked against the RayService schema\n"
+        "# fields by tests/unit/test_kuberay.py only (README, 'Run on Kubernetes').\n"
+    )
+    return header + yaml.dump_all(manifest(serve_config_path, image, name, prometheus_url), Dumper=_Dumper, sort_keys=False)

@@ -1,0 +1,149 @@
+"""Calibration: fit the twin's step-time model from a real vLLM engine on this machine.
+
+Machines without an accelerator spec (the CPU dev cluster) have no roofline;
+this measures one real engine of the config (the role's engine arguments,
+app/engine.py) in this process and fits `FittedPerf` (app/sim/perf.py):
+
+- prefill steps: one fresh prompt of N tokens with `max_tokens=1`, N up to the
+  engine's token budget so it is one step; its wall time is that step;
+- decode steps: n fresh prompts of K tokens decoding together; from the last
+  one's first token to the first one's end, every step decodes all n, reading
+  about n x K context tokens: that window over its steps is one step.
+
+Every prompt starts with a token no other prompt of the run starts with, so the
+prefix cache never hits. `pdd calibrate CONFIG` writes the fitted model (for
+`pdd sim --perf`) and the samples.
+
+`model_spec_from_folder` reads a Hugging Face model folder's config.json for
+the figures the twin needs when the serve config has no `model.spec`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from app.config import ModelSpec, PDDConfig, RoleName
+from app.sim.perf import FittedPerf, StepSample, fit_from_samples
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Prompt lengths of the prefill samples (clipped to the engine's token budget).
+PREFILL_TOKENS = (64, 256, 512, 1024, 2048, 4096)
+#: (sequences, prompt tokens each) of the decode samples.
+DECODE_SHAPES = ((1, 256), (1, 4096), (4, 256), (4, 2048), (8, 1024), (16, 512), (16, 2048))
+DECODE_TOKENS = 48
+REPEATS = 2
+
+
+def model_spec_from_folder(folder: str | Path, dtype: str = "auto") -> ModelSpec:
+    """The twin's model figures from a dense transformer's config.json and weight files."""
+    folder = Path(folder)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except OSError as err:
+        raise ValueError(f"model.spec is not set and {folder} has no readable config.json: {err}") from None
+    layers = hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    kv_heads = hf.get("num_key_value_heads", heads)
+    name = (hf.get("dtype") or hf.get("torch_dtype") or "float32") if dtype == "auto" else dtype
+    width = DTYPE_BYTES.get(str(name), 2)
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    params = weights / width if weights else 12 * layers * hf["hidden_size"] ** 2
+    return ModelSpec(
+        active_params_b=params / 1e9,
+        weight_bytes_per_param=width,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * width,
+        attention_flops_per_token_pair=4.0 * layers * heads * head_dim,
+    )
+
+
+def with_model_spec(config: PDDConfig) -> PDDConfig:
+    """`config` with `model.spec` filled from the model folder when it has none."""
+    if config.model.spec is not None:
+        return config
+    from app.devmodel import resolve_model_source
+
+    spec = model_spec_from_folder(resolve_model_source(config.model.source), config.model.dtype)
+    return config.model_copy(update={"model": config.model.model_copy(update={"spec": spec})})
+
+
+class _Prompts:
+    """Token ids whose first token differs from every earlier prompt's: no prefix hits."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.n = 0
+
+    def __call__(self, length: int) -> list[int]:
+        self.n += 1
+        lead = [3 + (self.n // (self.vocab - 3)) % (self.vocab - 3), 3 + self.n % (self.vocab - 3)]
+        return (lead + [3 + (i * 7919 + self.n) % (self.vocab - 3) for i in range(length)])[:length]
+
+
+async def _generate(engine, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival time of each output token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    times: list[float] = []
+    async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
+        now = time.perf_counter()
+        times.extend(now for _ in range(len(out.outputs[0].token_ids) - len(times)))
+    return times
+
+
+async def measure(
+    config: PDDConfig,
+    role: RoleName = RoleName.prefill,
+    *,
+    prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    decode_shapes: Sequence[tuple[int, int]] = DECODE_SHAPES,
+    decode_tokens: int = DECODE_TOKENS,
+    repeats: int = REPEATS,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> list[StepSample]:
+    """Step samples of one real engine with `role`'s engine arguments."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from app.engine import engine_args
+
+    progress("starting the engine")
+    engine = AsyncLLM.from_engine_args(engine_args(config, role))
+    try:
+        vllm_config = engine.vllm_config
+        budget = vllm_config.scheduler_config.max_num_batched_tokens
+        limit = min(budget, config.model.max_model_len - 1)
+        prompts = _Prompts(vllm_config.model_config.get_vocab_size())
+        await _generate(engine, prompts(32), 2)  # first-call costs out of the samples
+        samples: list[StepSample] = []
+        for n in sorted({min(n, limit) for n in prefill_tokens}):
+            for _ in range(repeats):
+                start = time.perf_counter()
+                await _generate(engine, prompts(n), 1)
+                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000))
+            progress(f"prefill {n} tokens: {samples[-1].step_ms:.1f} ms")
+        for seqs, context in decode_shapes:
+            context = min(context, config.model.max_model_len - decode_tokens - 1)
+            if seqs > vllm_config.scheduler_config.max_num_seqs:
+                continue
+            for _ in range(repeats):
+                runs = await asyncio.gather(*(_generate(engine, prompts(context), decode_tokens) for _ in range(seqs)))
+                last = max(runs, key=lambda t: t[0])
+                end = min(t[-1] for t in runs)
+                steps = sum(1 for t in last if last[0] < t <= end)
+                if steps:
+                    samples.append(StepSample(0, seqs, seqs * (context + decode_tokens // 2), (end - last[0]) * 1000 / steps))
+            progress(f"decode {seqs} x {context} tokens: {samples[-1].step_ms:.1f} ms per step")
+        return samples
+    finally:
+        engine.shutdown()
+
+
+def calibrate(config: PDDConfig, role: RoleName = RoleName.prefill, **kw) -> tuple[FittedPerf, list[StepSample]]:
+    samples = asyncio.run(measure(config, role, **kw))
+    return fit_from_samples(samples), samples

@@ -1,0 +1,114 @@
+"""The KubeRay manifest: generated from the GPU serve config, shaped like a RayService."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from app.config import load_config
+from app.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render
+from tests.conftest import ROOT
+
+GPU_CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
+COMMITTED = ROOT / "serve_configs" / "kuberay" / "pdd-rayservice.yaml"
+IMAGE = "ghcr.io/pdd-serve/pdd-serve:0.1.0-cuda"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PodTemplate(_Strict):
+    metadata: dict[str, Any] = {}
+    spec: dict[str, Any]
+
+
+class HeadGroupSpec(_Strict):
+    rayStartParams: dict[str, str]
+    template: PodTemplate
+
+
+class WorkerGroupSpec(_Strict):
+    groupName: str
+    replicas: int
+    minReplicas: int
+    maxReplicas: int
+    rayStartParams: dict[str, str]
+    template: PodTemplate
+
+
+class RayClusterSpec(_Strict):
+    rayVersion: str
+    enableInTreeAutoscaling: bool
+    headGroupSpec: HeadGroupSpec
+    workerGroupSpecs: list[WorkerGroupSpec]
+
+
+class RayServiceSpec(_Strict):
+    serveConfigV2: str
+    rayClusterConfig: RayClusterSpec
+
+
+class RayService(_Strict):
+    """The RayService fields (ray.io/v1) this manifest uses, as KubeRay's CRD names them."""
+
+    apiVersion: str
+    kind: str
+    metadata: dict[str, Any]
+    spec: RayServiceSpec
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return manifest(GPU_CONFIG, IMAGE)
+
+
+def test_committed_manifest_is_the_generated_one():
+    assert COMMITTED.read_text() == render(GPU_CONFIG, IMAGE), "run `pdd kuberay` to regenerate it"
+
+
+def test_shapes(docs):
+    service = RayService.model_validate(docs[0])
+    assert service.apiVersion == "ray.io/v1" and service.kind == "RayService"
+    assert [d["kind"] for d in docs] == ["RayService", "ConfigMap", "Deployment"]
+    for group in [service.spec.rayClusterConfig.headGroupSpec, *service.spec.rayClusterConfig.workerGroupSpecs]:
+        for c in group.template.spec["containers"]:
+            assert c["image"] == IMAGE and c["resources"]["limits"] == c["resources"]["requests"]
+        assert group.template.metadata["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_embedded_serve_config_is_the_source(docs, tmp_path):
+    service = RayService.model_validate(docs[0])
+    path = tmp_path / "embedded.yaml"
+    path.write_text(service.spec.serveConfigV2)
+    assert load_config(path) == load_config(GPU_CONFIG)
+    assert yaml.safe_load(service.spec.serveConfigV2)["applications"] == yaml.safe_load(GPU_CONFIG.read_text())["applications"]
+
+
+def test_worker_groups_carry_each_node_groups_placement(docs):
+    config = load_config(GPU_CONFIG)
+    groups = {g.groupName: g for g in RayService.model_validate(docs[0]).spec.rayClusterConfig.workerGroupSpecs}
+    assert set(groups) == set(config.node_groups)
+    for name, node_group in config.node_groups.items():
+        g = groups[name]
+        assert set(json.loads(g.rayStartParams["resources"].strip("'"))) == set(node_group.resources)
+        assert g.rayStartParams["labels"] == f"pdd.io/datacenter={node_group.datacenter}"
+        assert g.template.spec["nodeSelector"][ZONE_LABEL] == node_group.datacenter
+        gpus_per_pod = int(g.rayStartParams["num-gpus"])
+        assert gpus_per_pod == min(GPUS_PER_NODE, node_group.num_gpus)
+        needed = sum(rc.replicas * node_group.num_gpus for rc in config.roles.present().values() if rc.node_group == name)
+        assert g.replicas * gpus_per_pod >= needed and g.minReplicas <= g.replicas <= g.maxReplicas
+
+
+def test_agents_read_the_config_through_cluster_services(docs):
+    config_map, agents = docs[1], docs[2]
+    cfg = yaml.safe_load(config_map["data"]["serve.yaml"])["applications"][0]["args"]["agents"]
+    assert cfg["dashboard_url"] == "http://pdd-serve-head-svc:8265"
+    container = agents["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["pdd", "agents", "run"]
+    assert agents["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
