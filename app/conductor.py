@@ -94,9 +94,14 @@ class LinkDirectory:
 
     HEALTH_TTL_S = 1.0
     CALL_TIMEOUT_S = 2.0
+    FAILURES_TO_CUT_OFF = 2
+    """Refreshes in a row a datacenter's emulator must miss before it counts as cut off:
+    one slow answer on a busy machine is not a datacenter outage."""
 
     def __init__(self, handles: dict[str, Any]):
         self._handles = handles
+        self._known: dict[str, tuple[dict[str, tuple[str, int]], dict[str, Any]]] = {}
+        self._misses: dict[str, int] = {}
         self._relays: dict[str, tuple[str, int]] = {}
         self._counters: dict[str, Any] = {}
         self._unreachable: set[str] = set()
@@ -107,13 +112,18 @@ class LinkDirectory:
             return
         self._refreshed_at = time.monotonic()
         results = await asyncio.gather(*(self._ask(dc, h) for dc, h in self._handles.items()))
-        self._relays, self._counters, self._unreachable = {}, {}, set()
         for dc, result in zip(self._handles, results):
             if result is None:
-                self._unreachable.add(dc)
+                self._misses[dc] = self._misses.get(dc, 0) + 1
             else:
-                self._relays.update(result[0])
-                self._counters.update(result[1])
+                self._misses[dc] = 0
+                self._known[dc] = result
+        self._unreachable = {dc for dc in self._handles if self._misses.get(dc, 0) >= self.FAILURES_TO_CUT_OFF or dc not in self._known}
+        self._relays, self._counters = {}, {}
+        for dc, (relays, counters) in self._known.items():
+            if dc not in self._unreachable:
+                self._relays.update(relays)
+                self._counters.update(counters)
 
     async def _ask(self, dc: str, handle: Any):
         try:

@@ -172,6 +172,16 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def set_engine_env(config: PDDConfig, role: RoleName) -> None:
+    """Process environment a role's engine reads at start (call before creating it)."""
+    rc = config.roles.get(role)
+    if rc is None:
+        raise KeyError(f"roles.{role.value} is not configured")
+    if on_cpu():
+        # Read by the engine's worker process at start; whole GiB only.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
+
+
 class EngineServer:
     """Hosts one AsyncLLM; the role deployments are thin subclasses."""
 
@@ -183,11 +193,7 @@ class EngineServer:
         self.config = config
         self.role = role
         self.replica_id = replica_id
-        rc = config.roles.get(role)
-        assert rc is not None
-        if on_cpu():
-            # Read by the engine's worker process at start; whole GiB only.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
+        set_engine_env(config, role)
         self._node_ip = node_ip()
         self._node_id = _ray_node_id()
         self.block_port = free_port()

@@ -110,9 +110,10 @@ async def measure(
     """Step samples of one real engine with `role`'s engine arguments."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from app.engine import engine_args
+    from app.engine import engine_args, set_engine_env
 
     progress("starting the engine")
+    set_engine_env(config, role)
     engine = AsyncLLM.from_engine_args(engine_args(config, role))
     try:
         vllm_config = engine.vllm_config

@@ -145,6 +145,7 @@ def test_cutting_the_wan_mid_transfer_recomputes_and_counts_the_failure(app):
 
 def test_killing_prefill_after_its_prefill_makes_decoders_recompute(app):
     """PDD, low hit: the first token comes from P, then P dies while MD's WAN pull runs."""
+    wait_wan_up(app)  # an earlier test cut it
     prompt = tokens(9, 2400)
     # long enough that RLD is still decoding when MD, having lost its pull, has recomputed
     max_tokens = 256
@@ -173,6 +174,17 @@ def test_killing_prefill_after_its_prefill_makes_decoders_recompute(app):
     app.wait_running()
     reference, _ = completion(app, prompt, max_tokens, mode="colocated")
     assert got["text"] == reference
+
+
+def wait_wan_up(app, timeout_s: float = 30) -> None:
+    """Until the conductor routes over the WAN again (its link view refreshes every second)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{app.base_url}/pdd/state", timeout=10).json()["links"][WAN]["is_cut"]:
+        assert time.monotonic() < deadline, "the WAN stayed cut"
+        time.sleep(0.2)
+    time.sleep(1.5)  # and the routing's own view of it
 
 
 def _prefill_done(app) -> bool:
