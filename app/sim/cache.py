@@ -87,6 +87,26 @@ class PrefixCache:
                 self.entries[key] = (tokens, gen)
         self._evict()
 
+    def publish(self, key: Hashable, tokens: int, gen: int, pinned: bool) -> None:
+        """A running request's computed blocks join its conversation's entry, which
+        it keeps pinned (vLLM caches a block as soon as it is computed)."""
+        tokens -= tokens % self.block
+        p = self.pinned.get(key)
+        if p is None:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.used -= old[0]
+            self.pinned[key] = [tokens, gen, 1]
+            self.used += tokens
+            self.held += tokens
+            return
+        if not pinned:
+            p[2] += 1
+        if tokens > p[0] or gen > p[1]:
+            self.used += tokens - p[0]
+            self.held += tokens - p[0]
+            p[0], p[1] = tokens, gen
+
     def put(self, key: Hashable, tokens: int, gen: int) -> None:
         """Store (or replace) a conversation's prefix as most recently used."""
         tokens -= tokens % self.block

@@ -147,6 +147,15 @@ class Instance:
         self.active += 1
         return Lease(key, hit - hit % self.block, entry is not None)
 
+    def publish(self, lease: Lease, tokens: int, gen: int) -> None:
+        """The request's first `tokens` are computed: later turns of the conversation
+        can reuse them while this request still runs (its reservation becomes cache)."""
+        moved = min(lease.held, max(0, tokens - tokens % self.block - lease.hit))
+        self.reserved -= moved
+        lease.held -= moved
+        self.cache.publish(lease.key, tokens, gen, lease.pinned)
+        lease.pinned = True
+
     def close(self, lease: Lease, keep_tokens: int, gen: int) -> None:
         """The request is done here: its blocks become the conversation's cached prefix."""
         self.reserved -= lease.held

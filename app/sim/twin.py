@@ -262,6 +262,7 @@ class Twin:
         """P's stream ended: its real hit corrects the index, which then records the prompt."""
         p = job.p
         p.streams -= 1
+        p.publish(job.pl, job.req.prompt_tokens, job.gen)
         self._remember(p, job.keys, job, job.pl.hit)
 
     def _open_decoder(self, job: Job, inst: Instance, prefix_tokens: int) -> None:

@@ -148,6 +148,17 @@ def test_pinned_entries_survive_eviction_and_are_shared():
     assert c.used <= 60
 
 
+def test_published_blocks_are_reusable_before_their_request_ends():
+    c = PrefixCache(limit_tokens=100, block_size=10)
+    assert c.pin("a") is None  # a first turn: nothing cached
+    c.publish("a", 45, 0, pinned=False)  # its prompt is computed; the request still runs
+    assert c.pin("a") == (40, 0), "the next turn reuses whole blocks at once"
+    assert c.held == 40 and c.used == 40
+    c.release("a", 60, 0, pinned=True)  # the first request ends with its output
+    c.release("a", 60, 0, pinned=True)  # and the second
+    assert "a" not in c.pinned and c.peek("a") == (60, 0) and c.held == 0 and c.used == 60
+
+
 def test_shrinking_the_limit_evicts():
     c = PrefixCache(limit_tokens=100, block_size=10)
     c.put("a", 100, 0)
