@@ -143,6 +143,7 @@ async def measure(
         return samples
     finally:
         engine.shutdown()
+        del engine  # its __del__ shuts down again: now, not at interpreter exit when vLLM's modules are gone
 
 
 def calibrate(config: PDDConfig, role: RoleName = RoleName.prefill, **kw) -> tuple[FittedPerf, list[StepSample]]:
