@@ -7,12 +7,10 @@ request crossed (a stop string spanning a handoff is still found).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
 import socket
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,9 +20,6 @@ from app.config import PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.kv.params import PULL
 from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer
-
-#: Longest a finished request waits for its KV pull report (see EngineServer._late_report).
-REPORT_GRACE_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +227,6 @@ class EngineServer:
         async for out in self.engine.generate(prompt, params, request.request_id):
             completion = out.outputs[0]
             transfer = self._connector.take(request.request_id) if pulling else None
-            if transfer is None and pulling and out.finished:
-                transfer = await self._late_report(request.request_id)
             pulling = pulling and transfer is None
             yield EngineDelta(
                 request_id=request.request_id,
@@ -245,19 +238,6 @@ class EngineServer:
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 transfer=transfer,
             )
-
-    async def _late_report(self, request_id: str) -> dict | None:
-        """The pull report of a request that finished before it came: a failed pull's
-        blocks are recomputed, and a short request can end before the connector's
-        stats reach the output handler. Bounded: a missing report costs the request
-        REPORT_GRACE_S at most."""
-        deadline = time.monotonic() + REPORT_GRACE_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            transfer = self._connector.take(request_id)
-            if transfer is not None:
-                return transfer
-        return None
 
     # `target_replica` is read by the affinity router, not here.
     async def abort(self, request_id: str, target_replica: str | None = None) -> None:

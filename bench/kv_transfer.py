@@ -29,7 +29,7 @@ from app.config import LinkConfig
 from app.faults import Faults
 from app.kv.link import LinkModel
 from bench.common import LocalApp, median, wait_http, write_outputs
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 
 console = Console(width=150)
 HIT_RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -41,9 +41,7 @@ def bench_args(bandwidth_mbps: float, rtt_ms: float) -> dict:
     args = local_args()
     # every request goes P-MD: this benchmark measures what crosses the WAN, not the relay
     args["routing"] = {"max_wan_transfer_ms": 1e9}
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=bandwidth_mbps, rtt_ms=rtt_ms, jitter={"distribution": "none"})
+    set_wan(args, bandwidth_mbps, rtt_ms)
     return args
 
 

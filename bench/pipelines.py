@@ -38,7 +38,7 @@ from rich.table import Table
 from app.faults import Faults
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 
 console = Console(width=160)
 MODES = ("colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd")
@@ -141,9 +141,7 @@ def gpu_args(args: dict) -> dict:
         group.update(num_gpus=0.3, accelerator="H200")
     for role in args["roles"].values():
         role["engine"] = {"gpu_memory_utilization": 0.28, "max_num_seqs": 64}
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=10_000, rtt_ms=30)  # 8B KV is 128 KiB/token: 10 Gbit/s is the WAN share
+    set_wan(args, 10_000, 30, jitter=True)  # 8B KV is 128 KiB/token: 10 Gbit/s is the WAN share
     return args
 
 

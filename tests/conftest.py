@@ -19,6 +19,16 @@ def local_args() -> dict[str, Any]:
     return copy.deepcopy(doc["applications"][0]["args"])
 
 
+def set_wan(args: dict[str, Any], bandwidth_mbps: float, rtt_ms: float, jitter: bool = False) -> dict[str, Any]:
+    """Give the dc-a <-> dc-b link of an app config these figures (no jitter unless asked)."""
+    for link in args["links"]:
+        if link["between"] == ["dc-a", "dc-b"]:
+            link.update(bandwidth_mbps=bandwidth_mbps, rtt_ms=rtt_ms)
+            if not jitter:
+                link["jitter"] = {"distribution": "none"}
+    return args
+
+
 @pytest.fixture
 def args() -> dict[str, Any]:
     return local_args()

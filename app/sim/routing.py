@@ -37,6 +37,19 @@ STRIDE = 1 << 24
 """Keys per line: blocks of one run of content (16M blocks, beyond any context)."""
 
 
+def _first(segs, n: int) -> list[tuple[int, int, int]]:
+    """The runs that make up the first `n` keys of `segs`."""
+    out = []
+    left = n
+    for line, a, b in segs:
+        if left <= 0:
+            break
+        take = b - a if b - a < left else left
+        out.append((line, a, a + take))
+        left -= take
+    return out
+
+
 class KeyChain:
     """An immutable key list made of runs: key `line * STRIDE + i` for i in [a, b) per run."""
 
@@ -86,15 +99,7 @@ class KeyChain:
         """The first `n` keys (at most all)."""
         if n >= self.n:
             return self
-        out = []
-        left = n
-        for line, a, b in self.segs:
-            if left <= 0:
-                break
-            take = b - a if b - a < left else left
-            out.append((line, a, a + take))
-            left -= take
-        return KeyChain(tuple(out), n)
+        return KeyChain(tuple(_first(self.segs, n)), n)
 
 
 class _Group:
@@ -337,15 +342,7 @@ class KeyMaker:
         block = self.block
         keep = prefix_tokens // block
         if keep < conv.blocks:  # the context was rewritten past the kept prefix: new content
-            segs = []
-            left = keep
-            for line, a, b in conv.segs:
-                if left <= 0:
-                    break
-                take = b - a if b - a < left else left
-                segs.append((line, a, a + take))
-                left -= take
-            conv.segs = segs
+            conv.segs = _first(conv.segs, keep)
             conv.blocks = keep
             self._new_line(conv)
         elif not conv.segs:

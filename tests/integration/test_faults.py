@@ -18,7 +18,7 @@ from app import metrics
 from app.conductor import LinkDirectory
 from app.faults import Faults
 from app.prometheus import PrometheusServer, ray_service_discovery_file
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, free_port
 
 APP = "faults"
@@ -30,9 +30,7 @@ def app(serve_instance):
     args["roles"]["main_decode"]["replicas"] = 2
     args["kv"] = {"lease_timeout_s": 20, "transfer_timeout_s": 30}
     args["server"] = {"request_timeout_s": 240}
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    set_wan(args, 20, 20)
     deployed = deploy_app(serve_instance, APP, args)
     yield deployed
     deployed.delete()

@@ -13,7 +13,7 @@ from app.cluster import orphans
 from app.faults import Faults
 from app.kv.params import PRODUCE
 from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
 
 BLOCK = 32
@@ -29,9 +29,7 @@ def app(serve_instance):
     args = local_args()
     args["model"]["max_model_len"] = 8192
     args["kv"] = {"lease_timeout_s": LEASE_TIMEOUT_S, "transfer_timeout_s": 60}
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    set_wan(args, 20, 20)
     deployed = deploy_app(serve_instance, "kv", args)
     yield deployed
     deployed.delete()

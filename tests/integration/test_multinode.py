@@ -21,7 +21,7 @@ import yaml
 
 from app import cluster as local_cluster
 from app.config import load_config
-from tests.conftest import LOCAL_CONFIG
+from tests.conftest import LOCAL_CONFIG, set_wan
 from tests.integration.conftest import free_port
 
 A_IP, B_IP = "127.0.0.2", "127.0.0.3"
@@ -49,9 +49,7 @@ def deployed(cluster, tmp_path_factory):
     doc = yaml.safe_load(LOCAL_CONFIG.read_text())
     port = free_port()
     doc["http_options"] = {"host": "127.0.0.1", "port": port}
-    for link in doc["applications"][0]["args"]["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    set_wan(doc["applications"][0]["args"], 20, 20)
     path = tmp_path_factory.mktemp("mn") / "serve.yaml"
     path.write_text(yaml.safe_dump(doc))
     serve_cli = str(Path(sys.executable).with_name("serve"))

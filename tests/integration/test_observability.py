@@ -19,7 +19,7 @@ from app.cli import main as pdd
 from app.config import PDDConfig
 from app.observability import dashboard_queries, rules, write_rules
 from app.prometheus import PrometheusServer, ray_service_discovery_file
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, free_port
 
 APP = "obs"
@@ -29,9 +29,7 @@ APP = "obs"
 def app(serve_instance):
     args = local_args()
     args["slo"] = {"ttft_ms": 2000, "tpot_ms": 200, "max_gap_ms": 1000, "window_s": 120}
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    set_wan(args, 20, 20)
     deployed = deploy_app(serve_instance, APP, args)
     yield deployed
     deployed.delete()

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from app.faults import Faults
-from tests.conftest import local_args
+from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
 
 LONG = 2400
@@ -24,9 +24,7 @@ OUT = 800
 def app(serve_instance):
     args = local_args()
     args["roles"]["main_decode"]["replicas"] = 2
-    for link in args["links"]:
-        if link["between"] == ["dc-a", "dc-b"]:
-            link.update(bandwidth_mbps=20, rtt_ms=20, jitter={"distribution": "none"})
+    set_wan(args, 20, 20)
     deployed = deploy_app(serve_instance, "pdd", args)
     yield deployed
     deployed.delete()
