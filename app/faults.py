@@ -1,4 +1,4 @@
-"""Fault injection for a running app: kill replicas, cut or stall links, expire
+"""Fault injection for a running app: kill replicas, cut, stall or slow links, expire
 leases, restart the conductor. Used by tests, bench/soak.py and people.
 
 Everything goes through Ray and Serve themselves (actor kills, deployment
@@ -61,6 +61,14 @@ class Faults:
 
     def stall_link(self, direction: str, seconds: float) -> None:
         self._links(direction).stall.remote(direction, seconds).result()
+
+    def degrade_link(self, direction: str, *, bandwidth_mbps: float | None = None, rtt_ms: float | None = None) -> None:
+        """Slow e.g. "dc-a->dc-b" down to these figures until restore_link; the app's
+        config (and so routing's transfer estimates) keeps the configured ones."""
+        figures = {k: v for k, v in (("bandwidth_mbps", bandwidth_mbps), ("rtt_ms", rtt_ms)) if v is not None}
+        if not figures:
+            raise ValueError("degrade_link needs bandwidth_mbps and/or rtt_ms")
+        self._links(direction).degrade.remote(direction, figures).result()
 
     def link_counters(self, direction: str) -> dict:
         return self._links(direction).counters.remote().result()[direction]

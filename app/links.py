@@ -5,7 +5,7 @@ datacenter's nodes) hosts a relay for every configured direction into it
 (app/kv/link.py): KV crosses to the receiver's side, and a datacenter that
 dies takes only the relays into it along. Its `user_config` is the list of
 links, so a redeploy with new bandwidth/RTT/jitter changes the network without
-a restart; `cut`, `stall` and `restore` inject faults.
+a restart; `cut`, `stall`, `degrade` and `restore` inject faults.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class LinkEmulators:
 
     async def restore(self, direction: str) -> None:
         self._relay(direction).restore()
+
+    async def degrade(self, direction: str, figures: dict[str, float]) -> None:
+        """Run one direction at other figures than configured (e.g. {"bandwidth_mbps": 4}) until restore."""
+        self._relay(direction).degrade(**figures)
 
     async def stall(self, direction: str, seconds: float) -> None:
         """Hold one direction's data for `seconds` without closing connections."""

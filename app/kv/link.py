@@ -74,6 +74,12 @@ class LinkModel:
         """What an idle link needs for one pull of `nbytes` (no jitter, no stall)."""
         return self.config.rtt_ms / 1000 + nbytes / self.bytes_per_s
 
+    def with_figures(self, **figures: float) -> "LinkModel":
+        """The same link at other figures (e.g. `bandwidth_mbps`), validated, drawing from the same seeded stream."""
+        model = LinkModel(LinkConfig.model_validate({**self.config.model_dump(), **figures}))
+        model._rng = self._rng
+        return model
+
 
 @dataclass
 class LinkCounters:
@@ -97,6 +103,7 @@ class LinkRelay:
     def __init__(self, name: str, model: LinkModel, host: str = "0.0.0.0"):
         self.name = name
         self.model = model
+        self._configured = model
         self._host = host
         self._server: asyncio.AbstractServer | None = None
         self.port: int | None = None
@@ -114,7 +121,14 @@ class LinkRelay:
         return self.port
 
     def update(self, model: LinkModel) -> None:
-        self.model = model
+        """A new configured model (a reconfigure also ends a `degrade`)."""
+        self.model = self._configured = model
+
+    def degrade(self, **figures: float) -> None:
+        """Run at other figures than configured (a congested or rerouted path: e.g.
+        `bandwidth_mbps=4`) until `restore`. Routing still plans with the configured
+        figures, as it would when a real WAN degrades unannounced."""
+        self.model = self._configured.with_figures(**figures)
 
     def cut(self, seconds: float | None) -> None:
         """Sever the link for `seconds` (None: until `restore`), dropping live pulls."""
@@ -124,8 +138,10 @@ class LinkRelay:
             writer.transport.abort()
 
     def restore(self) -> None:
+        """End any cut, stall or degradation."""
         self._cut.until = 0.0
         self._stalled_until = 0.0
+        self.model = self._configured
 
     def stall(self, seconds: float) -> None:
         """Hold every transfer's data for `seconds`; connections stay open (a congested path)."""

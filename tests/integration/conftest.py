@@ -12,12 +12,16 @@ import copy
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from app.cluster import CLUSTER_ENV, kill_orphans
+from app.prometheus import PrometheusServer, ray_service_discovery_file
 
 pytestmark = pytest.mark.integration
 
@@ -150,6 +154,17 @@ class DeployedApp:
         from ray import serve
 
         serve.delete(self.name)
+
+
+@contextmanager
+def ray_prometheus(workdir: Path, rule_files: list[Path] | None = None) -> Iterator[PrometheusServer]:
+    """A real Prometheus scraping every Ray node's metrics each second."""
+    server = PrometheusServer(port=free_port(), scrape_interval_s=1, file_sd=ray_service_discovery_file(), rule_files=rule_files or [], workdir=workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def deploy_app(cluster: Cluster, name: str, args: dict[str, Any]) -> DeployedApp:

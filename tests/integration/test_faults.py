@@ -17,9 +17,8 @@ import pytest
 from app import metrics
 from app.conductor import LinkDirectory
 from app.faults import Faults
-from app.prometheus import PrometheusServer, ray_service_discovery_file
 from tests.conftest import local_args, set_wan
-from tests.integration.conftest import completion, deploy_app, free_port
+from tests.integration.conftest import completion, deploy_app, ray_prometheus
 
 APP = "faults"
 
@@ -38,10 +37,8 @@ def app(serve_instance):
 
 @pytest.fixture(scope="module")
 def prom(app, tmp_path_factory):
-    server = PrometheusServer(port=free_port(), scrape_interval_s=1, file_sd=ray_service_discovery_file(), workdir=tmp_path_factory.mktemp("prom"))
-    server.start()
-    yield server
-    server.stop()
+    with ray_prometheus(tmp_path_factory.mktemp("prom")) as server:
+        yield server
 
 
 @pytest.fixture

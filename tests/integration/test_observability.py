@@ -18,9 +18,8 @@ from app import metrics
 from app.cli import main as pdd
 from app.config import PDDConfig
 from app.observability import dashboard_queries, rules, write_rules
-from app.prometheus import PrometheusServer, ray_service_discovery_file
 from tests.conftest import local_args, set_wan
-from tests.integration.conftest import completion, deploy_app, free_port
+from tests.integration.conftest import completion, deploy_app, free_port, ray_prometheus
 
 APP = "obs"
 
@@ -40,10 +39,8 @@ def prom(app, tmp_path_factory):
     config = PDDConfig.model_validate(app.args)
     workdir = tmp_path_factory.mktemp("prom")
     rules_path = write_rules(config, workdir / "rules.yaml", app_name=APP)
-    server = PrometheusServer(port=free_port(), scrape_interval_s=1, file_sd=ray_service_discovery_file(), rule_files=[rules_path], workdir=workdir)
-    server.start()
-    yield server
-    server.stop()
+    with ray_prometheus(workdir, [rules_path]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

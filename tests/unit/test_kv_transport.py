@@ -159,6 +159,28 @@ def test_relay_paces_to_the_link_bandwidth(source):
         relay.close()
 
 
+def test_a_degraded_link_paces_to_its_new_figures_until_restored(source):
+    _, layout, leases, server = source
+    leases.add("l", list(range(8)), consumers=2, ttl_s=30)
+    configured = LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1)
+    relay = RelayThread(configured)
+    try:
+        relay.relay.degrade(bandwidth_mbps=40, rtt_ms=50)
+        t0 = time.monotonic()
+        result = pull_blocks(spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30)
+        assert result.ok
+        assert time.monotonic() - t0 >= (0.05 + 8 * layout.block_nbytes / (40e6 / 8)) * 0.97
+        relay.relay.restore()
+        assert relay.relay.model.config == configured
+        relay.relay.degrade(bandwidth_mbps=40)
+        relay.relay.update(LinkModel(configured))  # a reconfigure ends the degradation too
+        assert relay.relay.model.config.bandwidth_mbps == 4000
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            relay.relay.degrade(bandwidth_mbps=0)
+    finally:
+        relay.close()
+
+
 def test_cutting_the_link_mid_transfer_reports_unwritten_blocks(source):
     _, layout, leases, server = source
     leases.add("l", list(range(12)), consumers=1, ttl_s=30)
