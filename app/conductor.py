@@ -26,7 +26,7 @@ from app.journal import Journal, Journey, Transfer, slo_summary
 from app.kv.params import LEASE, PRODUCE, PULL
 from app.kv.link import direction_name
 from app.kv.transport import release_lease
-from app.policy import Pipeline
+from app.policy import LinkBacklog, Pipeline
 from app.prefix_index import PrefixIndex
 from app.relay import pdd_pipeline
 from app.textstream import TextAssembler
@@ -181,8 +181,8 @@ class Conductor:
         self.journal = Journal()
         self.index = PrefixIndex(config.model.block_size)
         self.in_flight = 0
-        self.wan_backlog: dict[str, int] = {}
-        """KV bytes pulls in flight still have to move, per link (policy input)."""
+        self.backlogs: dict[str, LinkBacklog] = {}
+        """KV bytes routed onto each link and not yet moved (policy input)."""
         self._warms: dict[str, dict[int, asyncio.Task]] = {}
         """MD warm-ups in flight: replica id -> last prompt block key -> task."""
         self.background: set[asyncio.Task] = set()
@@ -301,7 +301,7 @@ class Conductor:
             "node_groups": {name: g.model_dump(mode="json", include={"datacenter", "accelerator", "cost_per_hour"}) for name, g in cfg.node_groups.items()},
             "knobs": self.knobs.model_dump(mode="json"),
             "links": {
-                name: {**counters, "backlog_bytes": max(0, self.wan_backlog.get(name, 0))}
+                name: {**counters, "backlog_bytes": self.backlog(name)}
                 for name, counters in (await self.links.counters()).items()
             },
             "in_flight": self.in_flight,
@@ -378,24 +378,30 @@ class Conductor:
             self.index.observe(replica.replica_id, prompt_keys if prompt_keys is not None else keys, actual_hit)
         self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
 
+    def _link_backlog(self, link: str) -> LinkBacklog:
+        backlog = self.backlogs.get(link)
+        if backlog is None:
+            src, dst = link.split("->")
+            backlog = self.backlogs[link] = LinkBacklog(self.config.link(src, dst).bandwidth_mbps * 1e6 / 8)
+        return backlog
+
+    def backlog(self, link: str) -> int:
+        """KV bytes still queued on a link ("dc-a->dc-b"), by its configured model."""
+        backlog = self.backlogs.get(link)
+        return backlog.queued(time.monotonic()) if backlog is not None else 0
+
     async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncIterator[EngineDelta]:
-        """An engine stream whose transfer report lands in the journey (and leaves the backlog)."""
+        """An engine stream whose transfer report lands in the journey; its pull joins the link's backlog."""
         pull = (request.kv_transfer_params or {}).get(PULL, {})
-        queued = int(pull.get("expected_bytes", 0))
-        link = pull.get("link", "")
-        self.wan_backlog[link] = self.wan_backlog.get(link, 0) + queued
-        try:
-            async for delta in self.engines.stream(replica, request):
-                check(delta, role)
-                if delta.transfer is not None:
-                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
-                    self.wan_backlog[link] -= queued
-                    queued = 0
-                if delta.finished:  # no pull (all cached): the engine's own count is the hit
-                    journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
-                yield delta
-        finally:
-            self.wan_backlog[link] -= queued
+        if pull.get("expected_bytes"):
+            self._link_backlog(pull["link"]).add(int(pull["expected_bytes"]), time.monotonic())
+        async for delta in self.engines.stream(replica, request):
+            check(delta, role)
+            if delta.transfer is not None:
+                self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
+            if delta.finished:  # no pull (all cached): the engine's own count is the hit
+                journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
+            yield delta
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
         """P computes the prompt's KV and the first token; the KV stays leased for
@@ -464,7 +470,7 @@ class Conductor:
 
     async def pull_params(self, lease: dict[str, Any], dst_dc: str, expected_bytes: int = 0) -> dict[str, Any]:
         """What a decoder needs to pull `lease` through the link emulator; `expected_bytes`
-        (what routing expects to move) counts in the link's backlog until the pull reports."""
+        (what routing expects to move) joins the link's backlog when the pull starts."""
         name, relay = await self.links.relay(lease["datacenter"], dst_dc)
         return {PULL: {**lease, "relay": relay, "link": name, "expected_bytes": expected_bytes}}
 

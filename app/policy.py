@@ -74,6 +74,34 @@ class RouteDecision:
     reason: str
 
 
+@dataclass
+class LinkBacklog:
+    """KV bytes routed onto a link that the link, as configured, has not moved yet.
+
+    Pulls join the queue when they start and drain at the configured bandwidth
+    (a fluid FIFO). Routing estimates every transfer from the configured link
+    model, so its queue drains by the same model: a pull is gone when the
+    configured link would have moved it, however late its decoder reports. A
+    link slower than configured shows up in the agents' figures instead, and
+    they retune the threshold.
+    """
+
+    bytes_per_s: float
+    _bytes: float = 0.0
+    _at: float = 0.0
+
+    def queued(self, now: float) -> int:
+        """Bytes still queued at `now` (seconds, any monotonic clock)."""
+        if self._bytes:
+            self._bytes = max(0.0, self._bytes - (now - self._at) * self.bytes_per_s)
+        self._at = now
+        return round(self._bytes)
+
+    def add(self, nbytes: int, now: float) -> None:
+        self.queued(now)
+        self._bytes += nbytes
+
+
 def blocks_missing(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:
     """Blocks of the prompt's KV the decoder lacks (a partial last block counts)."""
     cached_blocks = min(cached_tokens, prompt_tokens) // block_size

@@ -90,7 +90,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
             rld_available=rld is not None,
             wan_up=await c.links.is_up(p_dc, md_dc),
             md_available=md is not None,
-            wan_backlog_bytes=c.wan_backlog.get(wan, 0),
+            wan_backlog_bytes=c.backlog(wan),
         ),
         c.knobs.routing,
     )

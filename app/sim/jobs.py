@@ -25,7 +25,7 @@ class Job:
     __slots__ = (
         "rid", "req", "sess", "gen", "pipe", "keys", "full", "t_first", "t_last", "gap", "done",
         "p", "pl", "d", "dl", "r", "rl", "md", "pulls", "seq", "sent", "rounds", "hmode", "cap",
-        "capped", "relay_tokens", "t_relay_last", "handed", "wan", "t_prev", "off",
+        "capped", "relay_tokens", "t_relay_last", "handed", "wan", "wan_planned", "t_prev", "off",
     )
 
     def __init__(self, rid: int, req: Request, sess: Session, gen: int, full: KeyChain, block: int):
@@ -65,6 +65,8 @@ class Job:
         self.t_relay_last = -1.0
         self.handed = False
         self.wan = 0
+        self.wan_planned = 0
+        """KV bytes routing expected MD to pull over the WAN (what joins the link's backlog)."""
         self.t_prev = -1.0
         """Client time of the token before the decode in progress (for its first gap)."""
         self.off = 0.0

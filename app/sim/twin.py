@@ -49,6 +49,7 @@ Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
@@ -56,6 +57,7 @@ from app.config import Mode, PDDConfig, RoleName
 from app.policy import (
     ClusterFacts,
     HandoffStep,
+    LinkBacklog,
     LinkFacts,
     Pipeline,
     RequestFacts,
@@ -113,6 +115,7 @@ class Twin:
         # one-way latency of tokens and control messages from main_decode to the client
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
+        self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
         self.outages = {kind: [(o.start_s, o.end_s) for o in outages if o.what == kind] for kind in OUTAGE_KINDS}
         unknown = {o.what for o in outages} - set(OUTAGE_KINDS)
         if unknown:
@@ -394,8 +397,12 @@ class Twin:
         facts = self._cluster_facts.get(key)
         if facts is None:  # frozen, and few distinct values: built once each
             facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
+        queued = self.wan_backlog.queued(self.loop.now) if self.wan_backlog else 0
+        if queued:
+            facts = replace(facts, wan_backlog_bytes=queued)
         decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
         job.pipe = pipe = decision.pipeline
+        job.wan_planned = decision.blocks_to_send * self.block_bytes
         if pipe is not P_MD:
             job.r = rld
             job.cap = relay_cap(self.handoff, load)
@@ -433,6 +440,7 @@ class Twin:
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs)
             job.pulls = 2
             self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
+        self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job, blocks_missing(prompt, job.dl.hit, self.block), self._main_pulled)
 
     def _singular_pulled(self, job: Job) -> None:

@@ -10,6 +10,7 @@ from app.policy import (
     MAX_CATCH_UP_ROUNDS,
     ClusterFacts,
     HandoffStep,
+    LinkBacklog,
     LinkFacts,
     Pipeline,
     RequestFacts,
@@ -46,6 +47,26 @@ def test_blocks_missing_counts_the_partial_last_block():
 def test_expected_transfer_is_rtt_plus_bytes_over_bandwidth():
     assert expected_transfer_ms(0, BYTES_PER_BLOCK, WAN) == 0
     assert expected_transfer_ms(10, BYTES_PER_BLOCK, WAN) == pytest.approx((0.03 + 10 * BYTES_PER_BLOCK / 5e6) * 1000)
+
+
+def test_backlog_drains_at_the_configured_bandwidth():
+    backlog = LinkBacklog(bytes_per_s=1e6)
+    assert backlog.queued(10.0) == 0
+    backlog.add(500_000, 10.0)
+    backlog.add(500_000, 10.2)  # 200 KB of the first pull moved in between
+    assert backlog.queued(10.2) == 800_000
+    assert backlog.queued(10.5) == 500_000
+    assert backlog.queued(12.0) == 0
+    backlog.add(100_000, 12.0)  # an idle link does not bank bandwidth for later
+    assert backlog.queued(12.05) == 50_000
+
+
+def test_a_backlog_can_move_a_request_onto_the_relay():
+    req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms
+    assert choose_pipeline(req, cluster(), routing(max_wan_transfer_ms=300)).pipeline is Pipeline.p_md
+    behind = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, wan_backlog_bytes=BYTES_PER_BLOCK)
+    d = choose_pipeline(req, behind, routing(max_wan_transfer_ms=300))
+    assert d.pipeline is Pipeline.p_rld_md and d.expected_wan_ms == pytest.approx(expected_transfer_ms(11, BYTES_PER_BLOCK, WAN))
 
 
 def test_high_hit_goes_p_md():

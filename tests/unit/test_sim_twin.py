@@ -305,6 +305,15 @@ def test_pipeline_choices_equal_policy_on_the_same_facts(monkeypatch, raw, thres
         assert real(req, cluster, routing).pipeline is decision.pipeline is rec.pipeline
 
 
+def test_a_pull_on_the_wan_delays_the_next_request_as_the_conductor_counts_it():
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 30})  # a lone 1000-token pull: 28 ms
+    apart = simulate(config, [Request(0.0, "a", 1000, 0, 4), Request(1.0, "b", 1000, 0, 4)])
+    assert [r.pipeline for r in apart.records()] == [Pipeline.p_md, Pipeline.p_md]
+    # b is routed 1 ms after a's pull began: ~7 ms of it are still queued on the WAN
+    behind = simulate(config, [Request(0.0, "a", 1000, 0, 4), Request(prefill_s(1000) + 0.001, "b", 1000, 0, 4)])
+    assert [r.pipeline for r in behind.records()] == [Pipeline.p_md, Pipeline.p_rld_md]
+
+
 def test_tiny_config_is_valid_in_every_mode():
     for mode in Mode:
         assert tiny_config(mode.value).mode is mode
