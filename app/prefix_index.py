@@ -117,9 +117,6 @@ class PrefixIndex:
         cache = self._replicas.get(replica_id)
         return 0 if cache is None else cache.held.matched(keys) * self.block_size
 
-    def _affinity(self, replica_id: str, keys: Sequence[int]) -> int:
-        return self._replicas[replica_id].routed.matched(keys)
-
     def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int]) -> Choice:
         """Longest known hit, then the replica the conversation was routed to,
         unless that replica is overloaded; ties go to the idlest, then to the
@@ -131,17 +128,22 @@ class PrefixIndex:
         """
         if not candidates:
             raise ValueError("no candidate replicas")
+        replicas = self._replicas
         for rid, capacity in candidates.items():
-            self._cache(rid, capacity)
+            if rid not in replicas:
+                self._cache(rid, capacity)
         loads = {rid: load(rid) for rid in candidates}
         idlest = min(loads.values())
-        eligible = [rid for rid in candidates if loads[rid] - idlest <= self.imbalance_limit]
-        first = keys[0] if keys else 0
-        best = min(
-            eligible,
-            key=lambda rid: (-self.estimate(rid, keys), -self._affinity(rid, keys), loads[rid], len(self._replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())),
-        )
-        return Choice(best, self.estimate(best, keys))
+        limit = idlest + self.imbalance_limit
+        # (held blocks, routed blocks) first; the tie-breaks are computed only for a tie
+        scores = {rid: (replicas[rid].held.matched(keys), replicas[rid].routed.matched(keys)) for rid in candidates if loads[rid] <= limit}
+        top = max(scores.values())
+        tied = [rid for rid, score in scores.items() if score == top]
+        best = tied[0]
+        if len(tied) > 1:
+            first = keys[0] if keys else 0
+            best = min(tied, key=lambda rid: (loads[rid], len(replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())))
+        return Choice(best, top[0] * self.block_size)
 
     def route(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
         """A request for these blocks was sent to the replica (not yet confirmed)."""

@@ -188,7 +188,9 @@ class RunLRU:
                         break
                 else:
                     if inside is not None:
-                        self.total += b - a - sum(y - x for x, y in inside.pieces)
+                        pieces = inside.pieces
+                        held = pieces[0][1] - pieces[0][0] if len(pieces) == 1 else sum(y - x for x, y in pieces)
+                        self.total += b - a - held
                         inside.pieces = [[a, b]]
                         order.move_to_end(inside.gid)
                         continue
