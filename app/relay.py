@@ -286,20 +286,33 @@ class Relay:
                 yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
 
     def _finish_md_in_background(self, md_task: asyncio.Task | None) -> None:
-        """The relay finished the request: MD's warm-up still runs to completion, so
-        MD's cache keeps up with P's for the conversation's next turn."""
+        """The relay finished the request. MD's warm-up still runs to completion, then
+        MD extends over the relay's tokens, recomputed from their ids as at a handoff:
+        MD's cache then holds the whole turn, and the conversation's next turn pulls
+        only what is new (not the answer's KV over the WAN, turn after turn)."""
         if md_task is None:
             return
-        md, keys, c, journey = self.md, self.req.prompt_token_ids + self.first.token_ids, self.c, self.journey
+        c, md, journey, prompt = self.c, self.md, self.journey, self.req.prompt_token_ids
+        turn = prompt + self.out
+        sync = self._md_request("sync", list(self.out), 1)
+
+        async def bring_md_along() -> None:
+            await md_task
+            c.remember(md, prompt + self.first.token_ids)
+            metrics.record_kv(journey)  # the warm's pull and MD's hit, after the request ended
+            await self._md_step(sync)
+            c.remember(md, turn)
+
+        task = asyncio.create_task(bring_md_along())
+        c.track_warm(md, c.index.keys(turn), task)  # the next turn waits for it, then pulls only the rest
+        c.background.add(task)
 
         def done(task: asyncio.Task) -> None:
             c.background.discard(task)
-            if not task.cancelled() and task.exception() is None:
-                c.remember(md, keys)
-                metrics.record_kv(journey)  # the warm's pull and MD's hit, after the request ended
+            if not task.cancelled() and task.exception() is not None:
+                logger.info("MD %s did not catch up on %s: %s", md.replica_id, journey.request_id, task.exception())
 
-        c.background.add(md_task)
-        md_task.add_done_callback(done)
+        task.add_done_callback(done)
 
 
 def _drain(queue: asyncio.Queue) -> list[EngineDelta]:

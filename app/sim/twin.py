@@ -506,11 +506,17 @@ class Twin:
         now = self.loop.now
         req = job.req
         md = job.d
-        md.streams -= 1
-        if job.done:  # RLD finished the request: the step only brought MD's cache along
-            md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
+        if job.done:  # RLD finished the request: MD's steps only bring its cache along
             self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
+            behind = req.output_tokens - 1 - job.sent
+            if behind > 0:  # relay.py: MD extends over the relay's tokens, in the background
+                pj = PrefillJob(job, behind, req.prompt_tokens + 1 + job.sent, req.prompt_tokens + req.output_tokens, job.dl, self._md_caught_up)
+                md.submit_prefill(pj)
+                return
+            md.streams -= 1
+            md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
             return
+        md.streams -= 1
         seq = job.seq
         if job.capped:
             if seq is not None:
@@ -536,6 +542,14 @@ class Twin:
         job.relay_tokens = produced
         self._end_relay(job, req.prompt_tokens + 1 + produced)
         self._extend(job, produced, final=True)
+
+    def _md_caught_up(self, pj: PrefillJob) -> None:
+        """MD holds the whole turn the relay finished."""
+        job: Job = pj.owner
+        md, req = job.d, job.req
+        md.streams -= 1
+        md.close(job.dl, req.prompt_tokens + req.output_tokens, job.gen)
+        self.index.record(md.name, job.full, md.kv_blocks)
 
     def _extend(self, job: Job, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the

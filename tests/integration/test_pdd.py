@@ -122,16 +122,22 @@ def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
 
 
 def test_high_hit_turn_goes_straight_to_md(app):
+    """The next turn repeats the conversation, answer included: MD holds all of it
+    (it decoded the answer, or caught up on the relay's answer by recompute)."""
     turn1 = fresh(LONG)
-    _, j1 = completion(app, turn1, 64)
-    if j1["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~4 s)
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0, extra_body={"return_token_ids": True})
+    answer = first.choices[0].token_ids
+    if app.journey(first.id)["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~4 s)
         wait_wan_idle(app)
-    turn2 = turn1 + fresh(60)
+    turn2 = turn1 + answer + fresh(60)
     text, journey = completion(app, turn2, 64)
     assert journey["pipeline"] == "P-MD"
     assert [role for role, _ in journey["token_sources"]] == ["prefill", "main_decode"]
+    block = app.args["model"]["block_size"]
+    assert journey["hit_tokens"]["main_decode"] >= (len(turn1) + len(answer)) // block * block
     wan = [t for t in journey["transfers"] if t["link"] == "dc-a->dc-b"]
-    assert len(wan) == 1 and wan[0]["blocks"] <= 4  # only what the new turn added
+    assert len(wan) == 1 and wan[0]["blocks"] <= 3  # only what the new turn added
     assert text == completion(app, turn2, 64, mode="colocated")[0]
 
 

@@ -160,18 +160,21 @@ def test_at_its_cap_the_relay_keeps_decoding_until_the_handoff_aborts_it():
     assert rld.streams == 0 and twin.M[0].streams == 0 and twin.P[0].streams == 0
 
 
-def test_a_request_the_relay_finishes_still_warms_main_decode():
+def test_a_request_the_relay_finishes_still_brings_main_decode_the_whole_turn():
     slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
     config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, links=slow_wan)
     twin = app.sim.twin.Twin(config)
     (r,) = twin.run([Request(0.0, "s", 4000, 0, 20)]).records()
     assert r.pipeline is Pipeline.p_rld_md and r.relay_tokens == 19  # the whole output came from RLD
     md = twin.M[0]
-    # MD's warm-up landed after the request ended: its cache and the index hold the prompt
-    assert md.cache.peek("s")[0] == 4000 // BLOCK * BLOCK
+    # MD's warm-up landed after the request ended, then MD extended over the relay's
+    # tokens: its cache and the index hold the prompt and the answer
+    turn = 4000 + 20
+    assert md.cache.peek("s")[0] == turn // BLOCK * BLOCK
+    assert md.streams == 0
     conv = twin.sessions["s"].conv
-    prompt_keys = KeyChain(tuple(conv.segs), conv.blocks).head(4000 // BLOCK)
-    assert twin.index.estimate(md.name, prompt_keys) == 4000 // BLOCK * BLOCK
+    turn_keys = KeyChain(tuple(conv.segs), conv.blocks).head(turn // BLOCK)
+    assert twin.index.estimate(md.name, turn_keys) == turn // BLOCK * BLOCK
 
 
 def test_catch_up_rounds_go_through_policy(monkeypatch):
