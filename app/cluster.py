@@ -154,18 +154,25 @@ def _record() -> Path:
 def kill_node(cluster: LocalCluster, datacenter: str) -> int:
     """Stop one node the hard way, as if its machine died: its Ray daemons and every
     process they started (replicas, vLLM engines) at once."""
+    ip = cluster.node(datacenter).ip
+    roots = [pid for pid, cmdline in _processes()
+             if cluster.temp_dir in cmdline and (f"--node_ip_address={ip}" in cmdline or f"--node-ip-address={ip}" in cmdline)]
+    return sum(_kill(pid) for pid in _with_descendants(roots))
+
+
+def _with_descendants(roots: list[int]) -> set[int]:
+    """The processes and everything they started: Ray's agents and workers, and vLLM's
+    engines rename themselves (`ray::DashboardAgent`, `VLLM::Worker`), so their command
+    lines no longer show the cluster's folder or node."""
     import psutil
 
-    ip = cluster.node(datacenter).ip
-    victims: set[int] = set()
-    for pid, cmdline in _processes():
-        if cluster.temp_dir in cmdline and (f"--node_ip_address={ip}" in cmdline or f"--node-ip-address={ip}" in cmdline):
-            victims.add(pid)
-            try:
-                victims.update(child.pid for child in psutil.Process(pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-    return sum(_kill(pid) for pid in victims)
+    found = set(roots)
+    for pid in roots:
+        try:
+            found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def down(cluster: LocalCluster | None = None, echo=print) -> None:
@@ -177,9 +184,8 @@ def down(cluster: LocalCluster | None = None, echo=print) -> None:
     if temp_dir is None:
         subprocess.run([ray_bin(), "stop", "--force"], env=env(), capture_output=True, text=True)
     else:
-        for pid, cmdline in _processes():
-            if temp_dir in cmdline:
-                _kill(pid)
+        for pid in _with_descendants([pid for pid, cmdline in _processes() if temp_dir in cmdline]):
+            _kill(pid)
         _record().unlink(missing_ok=True)
     time.sleep(1)  # let the engines' owner watchdogs notice
     killed = kill_orphans()
