@@ -204,7 +204,8 @@ def write_outputs(name: str, rows: list[dict[str, Any]], summary: dict[str, Any]
     csv_path = OUT_DIR / f"{name}.csv"
     if rows:
         with csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            # rows of different kinds share one file: every key is a column, blank where absent
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
             writer.writeheader()
             writer.writerows(rows)
     if plot is not None:
