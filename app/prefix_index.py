@@ -128,10 +128,9 @@ class PrefixIndex:
         """
         if not candidates:
             raise ValueError("no candidate replicas")
-        replicas = self._replicas
         for rid, capacity in candidates.items():
-            if rid not in replicas:
-                self._cache(rid, capacity)
+            self._cache(rid, capacity)
+        replicas = self._replicas
         loads = {rid: load(rid) for rid in candidates}
         idlest = min(loads.values())
         limit = idlest + self.imbalance_limit

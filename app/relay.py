@@ -293,8 +293,8 @@ class Relay:
         if md_task is None:
             return
         c, md, journey, prompt = self.c, self.md, self.journey, self.req.prompt_token_ids
-        turn = prompt + self.out
         sync = self._md_request("sync", list(self.out), 1)
+        turn = sync.prompt_token_ids
 
         async def bring_md_along() -> None:
             await md_task

@@ -102,8 +102,7 @@ class LinkRelay:
 
     def __init__(self, name: str, model: LinkModel, host: str = "0.0.0.0"):
         self.name = name
-        self.model = model
-        self._configured = model
+        self.model = self._configured = model
         self._host = host
         self._server: asyncio.AbstractServer | None = None
         self.port: int | None = None

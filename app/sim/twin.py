@@ -397,7 +397,7 @@ class Twin:
         facts = self._cluster_facts.get(key)
         if facts is None:  # frozen, and few distinct values: built once each
             facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
-        queued = self.wan_backlog.queued(self.loop.now) if self.wan_backlog else 0
+        queued = self.wan_backlog.queued(self.loop.now)
         if queued:
             facts = replace(facts, wan_backlog_bytes=queued)
         decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
