@@ -207,7 +207,7 @@ def main() -> None:
             decision = j.get("decision") or {}
             rows.append({
                 "mode": mode, "pipeline": j.get("pipeline"), "prompt_tokens": j.get("prompt_tokens"),
-                "ttft_ms": rec.ttft_s * 1000, "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
+                "ttft_ms": rec.ttft_s * 1000, "server_ttft_ms": j.get("ttft_ms"), "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
                 "md_hit_estimate": decision.get("md_hit_estimate"), "expected_wan_ms": decision.get("expected_wan_ms"),
                 "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
                 "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN), "error": rec.error or "",

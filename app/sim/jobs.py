@@ -21,11 +21,25 @@ class Session:
         self.waiting: list[Request] = []
 
 
+class Warm:
+    """MD work in flight that later turns wait for rather than pull its blocks again
+    (Conductor.track_warm): a warm-up keyed by its prompt's last block, or a
+    catch-up on a turn the relay finished, keyed by the turn's last block."""
+
+    __slots__ = ("key", "waiters")
+
+    def __init__(self, key: int):
+        self.key = key
+        self.waiters: list[list] | None = []
+        """[continuation, job] pairs to run when it ends; None once it has."""
+
+
 class Job:
     __slots__ = (
         "rid", "req", "sess", "gen", "pipe", "keys", "full", "t_first", "t_last", "gap", "done",
         "p", "pl", "d", "dl", "r", "rl", "md", "pulls", "seq", "sent", "rounds", "hmode", "cap",
         "capped", "relay_tokens", "t_relay_last", "handed", "wan", "wan_planned", "t_prev", "off",
+        "after", "warm", "catch_up", "row",
     )
 
     def __init__(self, rid: int, req: Request, sess: Session, gen: int, full: KeyChain, block: int):
@@ -71,3 +85,11 @@ class Job:
         """Client time of the token before the decode in progress (for its first gap)."""
         self.off = 0.0
         """One-way latency from the decoding replica to the client."""
+        self.after: Warm | None = None
+        """An earlier turn's MD work covering this prompt: MD's pull starts once it ends."""
+        self.warm: Warm | None = None
+        """This request's MD warm-up (P-RLD-MD), while it runs."""
+        self.catch_up: Warm | None = None
+        """MD catching up on the turn the relay finished, while it runs."""
+        self.row = -1
+        """Its row in the run's Results once finished."""

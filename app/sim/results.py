@@ -35,6 +35,7 @@ class RequestResult:
 
 
 _COLUMNS = ("rid", "arrival", "ttft", "last", "gap", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan")
+_WAN = _COLUMNS.index("wan")
 _INTS = {"rid", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan"}
 
 
@@ -44,9 +45,15 @@ class Results:
     """Row-major, one float per column of _COLUMNS (integers are exact below 2**53)."""
 
     def add(self, rid: int, arrival: float, t_first: float, t_last: float, gap: float, pipeline: Pipeline,
-            prompt: int, output: int, p_hit: int, d_hit: int, relay: int, wan: int) -> None:
+            prompt: int, output: int, p_hit: int, d_hit: int, relay: int, wan: int) -> int:
+        """Store a finished request; returns its row (for `add_wan`)."""
         self.rows.extend((rid, arrival, t_first - arrival, t_last, gap, PIPELINE_CODE[pipeline], prompt, output,
                           p_hit, d_hit, relay, wan))
+        return len(self.rows) // len(_COLUMNS) - 1
+
+    def add_wan(self, row: int, nbytes: int) -> None:
+        """WAN bytes a finished request still moved (MD catching up after the relay ended it)."""
+        self.rows[row * len(_COLUMNS) + _WAN] += nbytes
 
     def __len__(self) -> int:
         return len(self.rows) // len(_COLUMNS)

@@ -95,6 +95,16 @@ class KeyChain:
             pos += b - a
         return KeyChain(tuple(out), stop - start)
 
+    def position(self, key: int) -> int:
+        """Where `key` is in the chain; -1 when it is not."""
+        line, i = divmod(key, STRIDE)
+        pos = 0
+        for seg_line, a, b in self.segs:
+            if seg_line == line and a <= i < b:
+                return pos + i - a
+            pos += b - a
+        return -1
+
     def head(self, n: int) -> "KeyChain":
         """The first `n` keys (at most all)."""
         if n >= self.n:

@@ -33,7 +33,10 @@ Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
     and continues.
   - P-RLD-MD: the first token from P; RLD pulls over the intra-DC link and
     decodes while MD warms (pulls over the WAN, then computes the first
-    token's KV). Each finished MD step is a handoff decision: a catch-up round
+    token's KV). MD work of an earlier turn still running on that MD (its
+    warm-up, or its catch-up on a turn the relay finished) counts towards the
+    hit estimate, and MD's pull (on P-MD too) waits for it, at most
+    kv.transfer_timeout_s, as the conductor's await_warm does. Each finished MD step is a handoff decision: a catch-up round
     (MD computes the eager tokens so far while RLD keeps going) or the final
     one (RLD is aborted, MD computes the rest and continues the stream). At
     its cap the relay's tokens stop reaching the client, but RLD's request
@@ -70,7 +73,7 @@ from app.policy import (
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, model_spec
 from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.events import Loop
-from app.sim.jobs import Job, Session
+from app.sim.jobs import Job, Session, Warm
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.workload import Request
@@ -116,6 +119,9 @@ class Twin:
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
         self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
+        self.warms: dict[str, dict[int, Warm]] = {}
+        """MD work in flight per main decoder, by its last block key (Conductor._warms)."""
+        self.warm_timeout = config.kv.transfer_timeout_s
         self.outages = {kind: [(o.start_s, o.end_s) for o in outages if o.what == kind] for kind in OUTAGE_KINDS}
         unknown = {o.what for o in outages} - set(OUTAGE_KINDS)
         if unknown:
@@ -226,7 +232,7 @@ class Twin:
             raise AssertionError(f"request {job.rid} finished twice")
         job.done = True
         req = job.req
-        self.results.add(job.rid, req.arrival_s, job.t_first, job.t_last, job.gap, job.pipe, req.prompt_tokens,
+        job.row = self.results.add(job.rid, req.arrival_s, job.t_first, job.t_last, job.gap, job.pipe, req.prompt_tokens,
                          req.output_tokens, job.pl.hit if job.pl else 0, job.dl.hit if job.dl else 0,
                          job.relay_tokens, job.wan)
         self.finished += 1
@@ -296,6 +302,8 @@ class Twin:
         nbytes = blocks * self.block_bytes
         if link.wan:
             job.wan += nbytes
+            if job.done:
+                self.results.add_wan(job.row, nbytes)
         link.send(nbytes, done, job)
 
     def _pull_done(self, job: Job) -> None:
@@ -389,6 +397,9 @@ class Twin:
         md, md_cached = None, 0
         if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
             md, md_cached = self._route(RoleName.main_decode, job.keys)
+            # a previous turn's MD work still running there: count its blocks, wait for it
+            job.after, covered = self._pending_warm(md, job.keys)
+            md_cached = max(md_cached, covered * self.block)
         job.md = md
         # relay.rld_load: the least loaded relay decoder and its occupancy
         rld = min(self.R, key=self._streams) if self.R else None
@@ -431,7 +442,6 @@ class Twin:
             job.pulls = 1
             self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
             return
-        self._open_decoder(job, job.md, req.prefix_tokens)
         if pipe is P_MD:
             job.pulls = 1
         else:
@@ -440,8 +450,61 @@ class Twin:
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs)
             job.pulls = 2
             self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
+            job.warm = self._track_warm(job.md, job.keys)
+        self._after(job.after, self._main_pull, job)
+
+    def _main_pull(self, job: Job) -> None:
+        """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
+        req = job.req
+        self._open_decoder(job, job.md, req.prefix_tokens)
         self.wan_backlog.add(job.wan_planned, self.loop.now)
-        self._send(self.wan, job, blocks_missing(prompt, job.dl.hit, self.block), self._main_pulled)
+        self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
+
+    # ---- MD work later turns wait for (Conductor.track_warm / pending_warm / await_warm) ----
+
+    def _track_warm(self, md: Instance, keys: KeyChain) -> Warm | None:
+        if not keys:
+            return None
+        warm = Warm(keys[-1])
+        self.warms.setdefault(md.name, {})[warm.key] = warm
+        return warm
+
+    def _pending_warm(self, md: Instance, keys: KeyChain) -> tuple[Warm | None, int]:
+        """The MD work in flight covering the longest prefix of `keys`, and how many blocks it covers."""
+        best, covered = None, 0
+        warms = self.warms.get(md.name)
+        if warms:
+            for key, warm in warms.items():
+                n = keys.position(key) + 1
+                if n > covered:
+                    best, covered = warm, n
+        return best, covered
+
+    def _warm_done(self, md: Instance, warm: Warm | None) -> None:
+        if warm is None:
+            return
+        warms = self.warms[md.name]
+        if warms.get(warm.key) is warm:
+            del warms[warm.key]
+        waiters, warm.waiters = warm.waiters, None
+        for waiter in waiters:
+            self._wake(waiter)
+
+    def _after(self, warm: Warm | None, then: Callable[[Job], None], job: Job) -> None:
+        """`then(job)` once `warm` ends, or after kv.transfer_timeout_s, whichever is first."""
+        if warm is None or warm.waiters is None:
+            then(job)
+            return
+        waiter = [then, job]
+        warm.waiters.append(waiter)
+        self.loop.at(self.loop.now + self.warm_timeout, self._wake, waiter)
+
+    @staticmethod
+    def _wake(waiter: list) -> None:
+        then = waiter[0]
+        if then is not None:
+            waiter[0] = None
+            then(waiter[1])
 
     def _singular_pulled(self, job: Job) -> None:
         self._pull_done(job)
@@ -478,6 +541,7 @@ class Twin:
         job.t_relay_last = now
         if seq.n == req.output_tokens - 1:  # RLD ended the request before the handoff
             self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
+            job.catch_up = self._track_warm(job.md, job.full)  # MD catches up on the answer: the next turn waits for it
             job.t_last = now
             self._finish(job)
             return
@@ -506,6 +570,10 @@ class Twin:
         now = self.loop.now
         req = job.req
         md = job.d
+        if job.warm is not None:  # the warm-up's blocks are MD's cache now
+            md.publish(job.dl, req.prompt_tokens + 1, job.gen)
+            self._warm_done(md, job.warm)
+            job.warm = None
         if job.done:  # RLD finished the request: MD's steps only bring its cache along
             self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
             behind = req.output_tokens - 1 - job.sent
@@ -515,6 +583,7 @@ class Twin:
                 return
             md.streams -= 1
             md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
+            self._warm_done(md, job.catch_up)
             return
         md.streams -= 1
         seq = job.seq
@@ -550,6 +619,7 @@ class Twin:
         md.streams -= 1
         md.close(job.dl, req.prompt_tokens + req.output_tokens, job.gen)
         self.index.record(md.name, job.full, md.kv_blocks)
+        self._warm_done(md, job.catch_up)
 
     def _extend(self, job: Job, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the

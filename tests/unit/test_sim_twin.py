@@ -177,6 +177,18 @@ def test_a_request_the_relay_finishes_still_brings_main_decode_the_whole_turn():
     assert twin.index.estimate(md.name, turn_keys) == turn // BLOCK * BLOCK
 
 
+@pytest.mark.parametrize("timeout_s", [120.0, 0.05])
+def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pull_it_again(timeout_s):
+    slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, links=slow_wan, kv={"transfer_timeout_s": timeout_s})
+    # turn 1 ends on the relay while MD still pulls its 4 MB (1.6 s); turn 2 goes out at once
+    first, second = simulate(config, [Request(0.0, "s", 4000, 0, 20), Request(0.0, "s", 4100, 4020, 20)]).records()
+    assert first.relay_tokens == 19 and second.pipeline is Pipeline.p_rld_md
+    assert first.wan_bytes == app.policy.blocks_missing(4000, 0, BLOCK) * BLOCK * KVB  # moved after it ended
+    held = (4000 + 20) // BLOCK * BLOCK if timeout_s > 2 else 0  # what MD holds when turn 2's pull starts
+    assert second.wan_bytes == app.policy.blocks_missing(4100, held, BLOCK) * BLOCK * KVB
+
+
 def test_catch_up_rounds_go_through_policy(monkeypatch):
     steps = []
     real = app.sim.twin.next_handoff_step
