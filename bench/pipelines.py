@@ -7,9 +7,9 @@ this machine, most turns above 95% prefix hit, a low-hit tail of a few percent
 its arrival time or when the previous turn's answer is complete, whichever is
 later, and its prompt repeats the conversation so far (previous prompt and the
 answer's token ids, `return_token_ids`) before the new tokens. Measured at the
-client (official openai client, streaming). The pdd run's trace, with the times
-requests really went out, is written to bench/out/pipelines_trace.jsonl for the
-twin to replay.
+client (official openai client, streaming). Each mode's trace, with the times
+requests really went out, is written to bench/out/pipelines_trace_MODE.jsonl for
+the twin to replay (bench/sim_vs_real.py).
 
 Two worst-case latency figures per request:
 - worst gap: the longest wait between two tokens after the first;
@@ -43,6 +43,11 @@ from tests.conftest import local_args, set_wan
 console = Console(width=160)
 MODES = ("colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd")
 WAN = "dc-a->dc-b"
+
+
+def trace_path(mode: str) -> Path:
+    """Where a mode's trace as sent is written."""
+    return OUT_DIR / f"pipelines_trace_{mode}.jsonl"
 
 
 def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
@@ -185,9 +190,8 @@ def main() -> None:
             console.print(f"[bold]{mode}[/bold]")
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
             results[mode] = result
-            if mode == "pdd":
-                OUT_DIR.mkdir(parents=True, exist_ok=True)
-                write_trace(OUT_DIR / "pipelines_trace.jsonl", sorted(sent))
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            write_trace(trace_path(mode), sorted(sent))
             wan[mode] = Faults("pipelines").link_counters(WAN)["bytes_down"] - before
             counts: dict[str, int] = {}
             journeys[mode] = [httpx.get(f"{app.base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
@@ -255,7 +259,7 @@ def main() -> None:
         fig.savefig(path, dpi=120)
 
     csv_path = write_outputs("pipelines", rows, summary, a.json_path, plot)
-    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {OUT_DIR / 'pipelines_trace.jsonl'}")
+    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {', '.join(str(trace_path(m)) for m in results)}")
 
 
 if __name__ == "__main__":
