@@ -30,6 +30,11 @@ class NoReplicaError(RuntimeError):
 #: few seconds to notice a dead replica; new requests must not queue behind it).
 SUSPECT_S = 30.0
 
+#: A replica that does not describe itself this fast is not routable now. Serve
+#: holds a call while a deployment has no replica to take it (a datacenter that
+#: died): unbounded, routing would wait for the datacenter to come back.
+DESCRIBE_TIMEOUT_S = 10.0
+
 
 class EngineClient:
     def __init__(self, handles: dict[RoleName, DeploymentHandle]):
@@ -43,21 +48,33 @@ class EngineClient:
 
     async def replicas(self, role: RoleName) -> list[ReplicaInfo]:
         """Live replicas of a role, each described once (node, datacenter, cache size, port)."""
-        live = live_replicas(DEPLOYMENT_NAMES[role])
-        if not live:  # the router is built on first use; one call populates it
-            info = await self._handles[role].describe.remote()
-            self._replicas[info.replica_id] = info
-            live = live_replicas(DEPLOYMENT_NAMES[role]) or frozenset({info.replica_id})
+        name = DEPLOYMENT_NAMES[role]
+        live = live_replicas(name)
+        if live is None:  # the router is built on first use; one call builds it
+            info = await self._describe(role)
+            if info is not None:
+                self._replicas[info.replica_id] = info
+            live = live_replicas(name) or (frozenset({info.replica_id}) if info is not None else frozenset())
         missing = [rid for rid in live if rid not in self._replicas]
         if missing:
-            infos = await asyncio.gather(*(self._handles[role].describe.remote(target_replica=rid) for rid in missing))
-            for info in infos:
-                self._replicas[info.replica_id] = info
+            for info in await asyncio.gather(*(self._describe(role, rid) for rid in missing)):
+                if info is not None:
+                    self._replicas[info.replica_id] = info
         for rid in [r for r in self._channels if r not in live and r in self._replicas and self._replicas[r].role == role.value]:
             await self._channels.pop(rid).close()
         now = time.monotonic()
         healthy = [rid for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]
         return [self._replicas[rid] for rid in healthy]
+
+    async def _describe(self, role: RoleName, replica_id: str | None = None) -> ReplicaInfo | None:
+        """A replica's description (`replica_id`'s, or any one's); None when none answers in time."""
+        handle = self._handles[role]
+        call = handle.describe.remote(target_replica=replica_id) if replica_id else handle.describe.remote()
+        try:
+            return await asyncio.wait_for(call, DESCRIBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - dead, dying or absent: not routable now
+            logger.info("no %s replica%s described itself: %r", role.value, f" {replica_id}" if replica_id else "", exc)
+            return None
 
     def suspect(self, replica_id: str) -> None:
         """A stream to this replica broke: route around it for a while."""

@@ -21,9 +21,10 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 _live: dict[str, frozenset[str]] = {}
 
 
-def live_replicas(deployment_name: str) -> frozenset[str]:
-    """Replica ids Serve currently routes to for a deployment (empty before first use)."""
-    return _live.get(deployment_name, frozenset())
+def live_replicas(deployment_name: str) -> frozenset[str] | None:
+    """Replica ids Serve currently routes to for a deployment; None before the
+    router's first update (empty: it has none)."""
+    return _live.get(deployment_name)
 
 
 def _target_of(pending_request: PendingRequest | None) -> str | None:

@@ -1,0 +1,83 @@
+"""The conductor's view of engine replicas: a role with none alive answers "none", at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import app.engine_client
+from app import replica_router
+from app.config import RoleName
+from app.engine import ReplicaInfo
+from app.engine_client import EngineClient
+from app.roles import DEPLOYMENT_NAMES
+
+MAIN = DEPLOYMENT_NAMES[RoleName.main_decode]
+
+
+def _info(replica_id: str) -> ReplicaInfo:
+    return ReplicaInfo(replica_id, RoleName.main_decode.value, "127.0.0.1", "n", "dc-b", 100, 16, 7000, 1024)
+
+
+class _Describe:
+    """A stand-in for a deployment handle's `describe` method: Serve holds a call
+    while the deployment has no replica, so with no `alive` replicas it never answers."""
+
+    def __init__(self, alive: list[str]):
+        self.alive = alive
+        self.calls = 0
+
+    def remote(self, target_replica: str | None = None):
+        self.calls += 1
+
+        async def answer() -> ReplicaInfo:
+            if not self.alive:
+                await asyncio.Event().wait()
+            return _info(target_replica or self.alive[0])
+
+        return answer()
+
+
+class _Handle:
+    def __init__(self, alive: list[str]):
+        self.describe = _Describe(alive)
+
+
+@pytest.fixture
+def router_state(monkeypatch):
+    monkeypatch.setattr(replica_router, "_live", {})
+    monkeypatch.setattr(app.engine_client, "DESCRIBE_TIMEOUT_S", 0.2)
+    return replica_router._live
+
+
+def _replicas(client: EngineClient) -> tuple[list[ReplicaInfo], float]:
+    t0 = time.monotonic()
+    found = asyncio.run(client.replicas(RoleName.main_decode))
+    return found, time.monotonic() - t0
+
+
+def test_a_role_whose_replicas_all_died_has_none_without_waiting_for_them(router_state):
+    handle = _Handle(alive=[])
+    router_state[MAIN] = frozenset()  # the router saw the last replica go
+    found, _ = _replicas(EngineClient({RoleName.main_decode: handle}))
+    assert found == [] and handle.describe.calls == 0
+
+
+def test_an_unanswered_description_bounds_routing_instead_of_hanging_it(router_state):
+    handle = _Handle(alive=[])  # the router is not built yet and no replica is up
+    found, elapsed = _replicas(EngineClient({RoleName.main_decode: handle}))
+    assert found == [] and handle.describe.calls == 1
+    assert elapsed < 5  # bounded by DESCRIBE_TIMEOUT_S, not by the replica's return
+
+
+def test_live_replicas_are_described_once(router_state):
+    handle = _Handle(alive=["md-1", "md-2"])
+    router_state[MAIN] = frozenset({"md-1", "md-2"})
+    client = EngineClient({RoleName.main_decode: handle})
+    assert [i.replica_id for i in _replicas(client)[0]] == ["md-1", "md-2"]
+    assert [i.replica_id for i in _replicas(client)[0]] == ["md-1", "md-2"]
+    assert handle.describe.calls == 2
+    client.suspect("md-1")
+    assert [i.replica_id for i in _replicas(client)[0]] == ["md-2"]
