@@ -36,14 +36,15 @@ Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
     token's KV). MD work of an earlier turn still running on that MD (its
     warm-up, or its catch-up on a turn the relay finished) counts towards the
     hit estimate, and MD's pull (on P-MD too) waits for it, at most
-    kv.transfer_timeout_s, as the conductor's await_warm does. Each finished MD step is a handoff decision: a catch-up round
-    (MD computes the eager tokens so far while RLD keeps going) or the final
-    one (RLD is aborted, MD computes the rest and continues the stream). At
-    its cap the relay's tokens stop reaching the client, but RLD's request
-    keeps decoding (discarded) until the final step aborts it, as relay.py's
-    pump does; the next round is then the final one. A request RLD finishes
-    before any handoff ends there; MD's step in flight still completes and
-    lands in its cache.
+    kv.transfer_timeout_s, as the conductor's await_warm does. Each finished
+    MD step is a handoff decision: a catch-up round (MD computes the eager
+    tokens so far while RLD keeps going) or the final one (RLD is aborted,
+    MD computes the rest and continues the stream). At its cap the relay's
+    tokens stop reaching the client, but RLD's request keeps decoding
+    (discarded) until the final step aborts it, as relay.py's pump does; the
+    next round is then the final one. A request RLD finishes before any
+    handoff ends there; MD's step in flight still completes and lands in its
+    cache.
   - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
     everything. Outages (`Outage`) set those facts for requests routed
     during them; a transfer cannot start on a down link until it is back.
