@@ -42,7 +42,7 @@ from app.sim.perf import FittedPerf, PerfModel, Roofline, StepSample, fit_from_s
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
 from app.sim.run import SimRun, goodput_search, hit_sweep, simulate
-from app.sim.twin import Outage
+from app.sim.outages import Outage
 from app.sim.workload import AgenticWorkload, Request, read_trace, write_trace
 
 __all__ = [

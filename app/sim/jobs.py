@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from app.policy import Pipeline
 from app.sim.engine import Instance, Lease, Seq
+from app.sim.pending import Warm
 from app.sim.routing import Conversation, KeyChain
 from app.sim.workload import Request
 
@@ -19,19 +20,6 @@ class Session:
         """The conversation's block keys, as the conductor's index sees them."""
         self.busy = False
         self.waiting: list[Request] = []
-
-
-class Warm:
-    """MD work in flight that later turns wait for rather than pull its blocks again
-    (Conductor.track_warm): a warm-up keyed by its prompt's last block, or a
-    catch-up on a turn the relay finished, keyed by the turn's last block."""
-
-    __slots__ = ("key", "waiters")
-
-    def __init__(self, key: int):
-        self.key = key
-        self.waiters: list[list] | None = []
-        """[continuation, job] pairs to run when it ends; None once it has."""
 
 
 class Job:

@@ -11,7 +11,8 @@ from app.config import PDDConfig
 from app.sim.cluster import PerfArg
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
-from app.sim.twin import Outage, Twin
+from app.sim.outages import Outage
+from app.sim.twin import Twin
 from app.sim.workload import AgenticWorkload, Request, fixed_hit, read_trace
 
 Workload = AgenticWorkload | Iterable[Request] | str | Path

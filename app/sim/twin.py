@@ -55,7 +55,6 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
 
 from app.config import Mode, PDDConfig, RoleName
 from app.policy import (
@@ -74,24 +73,14 @@ from app.policy import (
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, model_spec
 from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.events import Loop
-from app.sim.jobs import Job, Session, Warm
+from app.sim.jobs import Job, Session
+from app.sim.outages import Outage, Outages
+from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.workload import Request
 
 P_MD, P_RLD_MD, P_RLD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_d_naive
-
-
-class Outage(NamedTuple):
-    """`what` is unavailable in [start_s, end_s): "wan" (the P <-> MD link is cut) or
-    "main_decode" (no main decoder alive)."""
-
-    start_s: float
-    end_s: float
-    what: str
-
-
-OUTAGE_KINDS = ("wan", "main_decode")
 
 
 class Twin:
@@ -120,15 +109,10 @@ class Twin:
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
         self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
-        self.warms: dict[str, dict[int, Warm]] = {}
-        """MD work in flight per main decoder, by its last block key (Conductor._warms)."""
-        self.warm_timeout = config.kv.transfer_timeout_s
-        self.outages = {kind: [(o.start_s, o.end_s) for o in outages if o.what == kind] for kind in OUTAGE_KINDS}
-        unknown = {o.what for o in outages} - set(OUTAGE_KINDS)
-        if unknown:
-            raise ValueError(f"unknown outage kind(s) {sorted(unknown)}; known: {', '.join(OUTAGE_KINDS)}")
+        self.pending = PendingMDWork(self.loop, config.kv.transfer_timeout_s)
+        self.outages = Outages(outages)
         if self.wan is not None:
-            self.wan.down = self.outages["wan"]
+            self.wan.down = self.outages.windows["wan"]
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
@@ -195,11 +179,7 @@ class Twin:
             self._start_prefill(job, self._naive_first)
 
     def _down(self, kind: str) -> bool:
-        windows = self.outages[kind]
-        if not windows:
-            return False
-        now = self.loop.now
-        return any(s <= now < e for s, e in windows)
+        return self.outages.down(kind, self.loop.now)
 
     # ---- the conductor's index (Conductor.route / unroute / remember) ------------------
 
@@ -399,7 +379,7 @@ class Twin:
         if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
             md, md_cached = self._route(RoleName.main_decode, job.keys)
             # a previous turn's MD work still running there: count its blocks, wait for it
-            job.after, covered = self._pending_warm(md, job.keys)
+            job.after, covered = self.pending.covering(md.name, job.keys)
             md_cached = max(md_cached, covered * self.block)
         job.md = md
         # relay.rld_load: the least loaded relay decoder and its occupancy
@@ -451,8 +431,8 @@ class Twin:
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs)
             job.pulls = 2
             self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
-            job.warm = self._track_warm(job.md, job.keys)
-        self._after(job.after, self._main_pull, job)
+            job.warm = self.pending.track(job.md.name, job.keys)
+        self.pending.after(job.after, self._main_pull, job)
 
     def _main_pull(self, job: Job) -> None:
         """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
@@ -460,52 +440,6 @@ class Twin:
         self._open_decoder(job, job.md, req.prefix_tokens)
         self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
-
-    # ---- MD work later turns wait for (Conductor.track_warm / pending_warm / await_warm) ----
-
-    def _track_warm(self, md: Instance, keys: KeyChain) -> Warm | None:
-        if not keys:
-            return None
-        warm = Warm(keys[-1])
-        self.warms.setdefault(md.name, {})[warm.key] = warm
-        return warm
-
-    def _pending_warm(self, md: Instance, keys: KeyChain) -> tuple[Warm | None, int]:
-        """The MD work in flight covering the longest prefix of `keys`, and how many blocks it covers."""
-        best, covered = None, 0
-        warms = self.warms.get(md.name)
-        if warms:
-            for key, warm in warms.items():
-                n = keys.position(key) + 1
-                if n > covered:
-                    best, covered = warm, n
-        return best, covered
-
-    def _warm_done(self, md: Instance, warm: Warm | None) -> None:
-        if warm is None:
-            return
-        warms = self.warms[md.name]
-        if warms.get(warm.key) is warm:
-            del warms[warm.key]
-        waiters, warm.waiters = warm.waiters, None
-        for waiter in waiters:
-            self._wake(waiter)
-
-    def _after(self, warm: Warm | None, then: Callable[[Job], None], job: Job) -> None:
-        """`then(job)` once `warm` ends, or after kv.transfer_timeout_s, whichever is first."""
-        if warm is None or warm.waiters is None:
-            then(job)
-            return
-        waiter = [then, job]
-        warm.waiters.append(waiter)
-        self.loop.at(self.loop.now + self.warm_timeout, self._wake, waiter)
-
-    @staticmethod
-    def _wake(waiter: list) -> None:
-        then = waiter[0]
-        if then is not None:
-            waiter[0] = None
-            then(waiter[1])
 
     def _singular_pulled(self, job: Job) -> None:
         self._pull_done(job)
@@ -542,7 +476,7 @@ class Twin:
         job.t_relay_last = now
         if seq.n == req.output_tokens - 1:  # RLD ended the request before the handoff
             self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
-            job.catch_up = self._track_warm(job.md, job.full)  # MD catches up on the answer: the next turn waits for it
+            job.catch_up = self.pending.track(job.md.name, job.full)  # MD catches up on the answer: the next turn waits for it
             job.t_last = now
             self._finish(job)
             return
@@ -573,7 +507,7 @@ class Twin:
         md = job.d
         if job.warm is not None:  # the warm-up's blocks are MD's cache now
             md.publish(job.dl, req.prompt_tokens + 1, job.gen)
-            self._warm_done(md, job.warm)
+            self.pending.done(md.name, job.warm)
             job.warm = None
         if job.done:  # RLD finished the request: MD's steps only bring its cache along
             self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
@@ -584,7 +518,7 @@ class Twin:
                 return
             md.streams -= 1
             md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
-            self._warm_done(md, job.catch_up)
+            self.pending.done(md.name, job.catch_up)
             return
         md.streams -= 1
         seq = job.seq
@@ -620,7 +554,7 @@ class Twin:
         md.streams -= 1
         md.close(job.dl, req.prompt_tokens + req.output_tokens, job.gen)
         self.index.record(md.name, job.full, md.kv_blocks)
-        self._warm_done(md, job.catch_up)
+        self.pending.done(md.name, job.catch_up)
 
     def _extend(self, job: Job, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the

@@ -1,0 +1,31 @@
+"""Outage windows a twin run is given: what is unavailable, and when."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Outage(NamedTuple):
+    """`what` is unavailable in [start_s, end_s): "wan" (the P <-> MD link is cut) or
+    "main_decode" (no main decoder alive)."""
+
+    start_s: float
+    end_s: float
+    what: str
+
+
+OUTAGE_KINDS = ("wan", "main_decode")
+
+
+class Outages:
+    def __init__(self, outages: Iterable[Outage]):
+        outages = list(outages)
+        unknown = {o.what for o in outages} - set(OUTAGE_KINDS)
+        if unknown:
+            raise ValueError(f"unknown outage kind(s) {sorted(unknown)}; known: {', '.join(OUTAGE_KINDS)}")
+        self.windows = {kind: [(o.start_s, o.end_s) for o in outages if o.what == kind] for kind in OUTAGE_KINDS}
+        """Kind -> [start_s, end_s) windows."""
+
+    def down(self, kind: str, now: float) -> bool:
+        return any(s <= now < e for s, e in self.windows[kind])
