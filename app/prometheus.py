@@ -133,3 +133,8 @@ class PrometheusServer:
 
     def rules(self) -> list[dict[str, Any]]:
         return httpx.get(f"{self.url}/api/v1/rules", timeout=30).json()["data"]["groups"]
+
+    def failing_targets(self) -> dict[str, str]:
+        """Scrape targets whose last scrape failed, with Prometheus' reason (why a query is empty)."""
+        active = httpx.get(f"{self.url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
+        return {t["scrapeUrl"]: t.get("lastError", "") for t in active if t.get("health") != "up"}

@@ -182,14 +182,17 @@ def test_wan_outage(app, faults):
     """In-flight requests finish; new ones route around the cut; nothing hangs."""
     direction = "dc-a->dc-b"
     batch = Batch(app, [fresh(2400) for _ in range(3)], max_tokens=200, warm_tokens=4)
-    asyncio.run(batch.run(lambda: faults.cut_link(direction, 30)))
-    batch.check(app)
-    assert not any(batch.errors), batch.errors
-    t0 = time.monotonic()
-    text, journey = completion(app, fresh(1500), 40)
-    assert journey["pipeline"] == "P-RLD" and "WAN down" in journey["decision"]["reason"]
-    assert time.monotonic() - t0 < 30
-    faults.restore_link(direction)
+    try:
+        # cut until restored: a timed cut could heal before the probe on a slow machine
+        asyncio.run(batch.run(lambda: faults.cut_link(direction)))
+        batch.check(app)
+        assert not any(batch.errors), batch.errors
+        t0 = time.monotonic()
+        text, journey = completion(app, fresh(1500), 40)
+        assert journey["pipeline"] == "P-RLD" and "WAN down" in journey["decision"]["reason"]
+        assert time.monotonic() - t0 < 30  # no wait for the transfer timeout
+    finally:
+        faults.restore_link(direction)
     time.sleep(LinkDirectory.HEALTH_TTL_S + 0.5)  # how stale the conductor's view of the links may be
     _, journey = completion(app, fresh(1500), 40)
     assert journey["pipeline"] in ("P-RLD-MD", "P-MD")

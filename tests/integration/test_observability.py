@@ -92,7 +92,7 @@ def test_kv_bytes_in_prometheus_equal_the_connector_reports(prom, traffic):
             expected[t["link"]] = expected.get(t["link"], 0) + t["bytes"]
     assert set(expected) == {"dc-a->dc-a", "dc-a->dc-b"}
     got = _wait_equal(prom, f'sum by (link) ({metrics.prom_name(metrics.KV_BYTES)}{{application="{APP}"}})', expected)
-    assert got == expected
+    assert got == expected, prom.failing_targets()
 
 
 def test_request_counts_by_pipeline(prom, traffic):
@@ -100,7 +100,7 @@ def test_request_counts_by_pipeline(prom, traffic):
     expected = {k: float(v) for k, v in expected.items()}
     assert {"P-RLD-MD", "P-MD", "P-D", "P-D-naive", "colocated"} <= set(expected)
     got = _wait_equal(prom, f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{application="{APP}",outcome="ok"}})', expected)
-    assert got == expected
+    assert got == expected, prom.failing_targets()
 
 
 def test_every_dashboard_panel_and_rule_evaluates_with_data(app, prom, traffic):
