@@ -176,8 +176,8 @@ def set_engine_env(config: PDDConfig, role: RoleName) -> None:
         # Read by the engine's worker process at start; whole GiB only.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
         # vLLM's CPU binding assumes an engine owns its host: it pins every engine's
-        # worker to the same last core, so the app's engines took turns on one core
-        # while the others idled. Here engines share hosts: the OS spreads them, each
+        # worker to the same core, so the app's engines took turns on it while the
+        # others idled. Here engines share hosts: the OS spreads them, each
         # with as many threads as its node group's CPUs (Ray's rule for its workers,
         # applied here for engines started outside Ray: calibration). The environment wins.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

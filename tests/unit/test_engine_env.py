@@ -10,6 +10,8 @@ from app.config import PDDConfig, RoleName
 from app.engine import set_engine_env
 from tests.conftest import local_args
 
+ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")
+
 
 @pytest.fixture
 def config() -> PDDConfig:
@@ -18,28 +20,29 @@ def config() -> PDDConfig:
     return PDDConfig.model_validate(args)
 
 
-def test_engines_are_not_pinned_to_one_core(config, monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+@pytest.fixture
+def clean_env(monkeypatch) -> pytest.MonkeyPatch:
+    """None of the engine's variables set; whatever set_engine_env sets is undone after."""
+    for name in ENGINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_engines_are_not_pinned_to_one_core(config, clean_env):
     set_engine_env(config, RoleName.prefill)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert os.environ["OMP_NUM_THREADS"] == "2"  # as Ray gives a worker with 2.5 CPUs
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_a_fraction_of_a_cpu_still_gets_a_thread(config, monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+def test_a_fraction_of_a_cpu_still_gets_a_thread(config, clean_env):
     set_engine_env(config, RoleName.main_decode)  # gpu-b: 0.25 CPUs
     assert os.environ["OMP_NUM_THREADS"] == "1"
 
 
-def test_what_the_operator_set_wins(config, monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
-    monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+def test_what_the_operator_set_wins(config, clean_env):
+    clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    clean_env.setenv("OMP_NUM_THREADS", "4")
     set_engine_env(config, RoleName.main_decode)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     assert os.environ["OMP_NUM_THREADS"] == "4"
