@@ -7,6 +7,12 @@ and the conversation generation the entry was written at. Least recently used
 entries lose their tail blocks first, as vLLM frees a finished request's blocks
 tail first; a partly evicted entry is still a valid, shorter prefix.
 
+Blocks are cached by content, as in vLLM: a request ending leaves the longer
+of what it wrote and what the entry already held, and work of an older
+generation that lands late (MD catching up on a turn the context has since
+been rewritten past) only adds what it shares with the entry's newer stream,
+never replacing it.
+
 A request that reuses an entry pins it while it runs (like vLLM's block
 reference counts: concurrent turns of one conversation share the blocks);
 pinned entries are never evicted. The blocks a request writes are the
@@ -20,18 +26,32 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 
-def usable_tokens(entry_tokens: int, entry_gen: int, prefix_tokens: int, divergences: Sequence[int]) -> int:
-    """Tokens of an entry a new prompt can reuse.
+def usable_tokens(entry_tokens: int, entry_gen: int, prefix_tokens: int, divergences: Sequence[int], gen: int) -> int:
+    """Tokens of an entry a prompt of conversation generation `gen` can reuse.
 
-    `divergences` lists, per conversation generation, how many tokens of the
-    stream survived a turn that rewrote the context; blocks past any
-    divergence after the entry was written are stale.
+    `divergences[g]` is how many tokens of the stream survived the rewrite
+    that started generation g + 1: an entry written at another generation
+    holds the prompt's stream only up to the rewrites between the two, in
+    either order (a request dispatched before a rewrite may open after it).
     """
     valid = entry_tokens
-    for d in divergences[entry_gen:]:
+    for d in (divergences[entry_gen:gen] if entry_gen < gen else divergences[gen:entry_gen]):
         if d < valid:
             valid = d
     return valid if valid < prefix_tokens else prefix_tokens
+
+
+def merged(tokens: int, gen: int, new_tokens: int, new_gen: int, divergences: Sequence[int]) -> tuple[int, int]:
+    """An entry of `tokens` at generation `gen` after a request of generation
+    `new_gen` leaves `new_tokens`: the newer generation's stream, as far as
+    either request's blocks hold it."""
+    if new_gen == gen:
+        return (new_tokens if new_tokens > tokens else tokens), gen
+    if new_gen > gen:
+        kept = usable_tokens(tokens, gen, tokens, divergences, new_gen)
+        return (new_tokens if new_tokens > kept else kept), new_gen
+    late = usable_tokens(new_tokens, new_gen, new_tokens, divergences, gen)
+    return (late if late > tokens else tokens), gen
 
 
 class PrefixCache:
@@ -69,13 +89,14 @@ class PrefixCache:
             self.held += e[0]
         return e
 
-    def release(self, key: Hashable, tokens: int, gen: int, pinned: bool) -> None:
-        """A request ends: its `tokens` become the entry, most recently used."""
+    def release(self, key: Hashable, tokens: int, gen: int, pinned: bool, divergences: Sequence[int] = ()) -> None:
+        """A request ends: its `tokens` join the entry, most recently used."""
         tokens -= tokens % self.block
         p = self.pinned.get(key) if pinned else None
         if p is None:
-            self.put(key, tokens, gen)
+            self.put(key, tokens, gen, divergences)
             return
+        tokens, gen = merged(p[0], p[1], tokens, gen, divergences)
         self.used += tokens - p[0]
         self.held += tokens - p[0]
         p[0], p[1] = tokens, gen
@@ -87,7 +108,7 @@ class PrefixCache:
                 self.entries[key] = (tokens, gen)
         self._evict()
 
-    def publish(self, key: Hashable, tokens: int, gen: int, pinned: bool) -> None:
+    def publish(self, key: Hashable, tokens: int, gen: int, pinned: bool, divergences: Sequence[int] = ()) -> None:
         """A running request's computed blocks join its conversation's entry, which
         it keeps pinned (vLLM caches a block as soon as it is computed)."""
         tokens -= tokens % self.block
@@ -96,22 +117,24 @@ class PrefixCache:
             old = self.entries.pop(key, None)
             if old is not None:
                 self.used -= old[0]
+                tokens, gen = merged(old[0], old[1], tokens, gen, divergences)
             self.pinned[key] = [tokens, gen, 1]
             self.used += tokens
             self.held += tokens
             return
         if not pinned:
             p[2] += 1
-        if tokens > p[0] or gen > p[1]:
-            self.used += tokens - p[0]
-            self.held += tokens - p[0]
-            p[0], p[1] = tokens, gen
+        tokens, gen = merged(p[0], p[1], tokens, gen, divergences)
+        self.used += tokens - p[0]
+        self.held += tokens - p[0]
+        p[0], p[1] = tokens, gen
 
-    def put(self, key: Hashable, tokens: int, gen: int) -> None:
-        """Store (or replace) a conversation's prefix as most recently used."""
+    def put(self, key: Hashable, tokens: int, gen: int, divergences: Sequence[int] = ()) -> None:
+        """Store a conversation's prefix (merged with its entry) as most recently used."""
         tokens -= tokens % self.block
         p = self.pinned.get(key)
         if p is not None:  # another request still runs on it: update in place
+            tokens, gen = merged(p[0], p[1], tokens, gen, divergences)
             self.used += tokens - p[0]
             self.held += tokens - p[0]
             p[0], p[1] = tokens, gen
@@ -119,6 +142,7 @@ class PrefixCache:
             old = self.entries.pop(key, None)
             if old is not None:
                 self.used -= old[0]
+                tokens, gen = merged(old[0], old[1], tokens, gen, divergences)
             if tokens > 0:
                 self.entries[key] = (tokens, gen)
                 self.used += tokens

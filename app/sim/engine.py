@@ -41,13 +41,15 @@ class Lease:
     """A request's hold on one replica: the cached prefix it reuses (pinned) and
     the memory reserved for the tokens it writes."""
 
-    __slots__ = ("key", "hit", "held", "pinned")
+    __slots__ = ("key", "hit", "held", "pinned", "divergences")
 
-    def __init__(self, key: Hashable, hit: int, pinned: bool):
+    def __init__(self, key: Hashable, hit: int, pinned: bool, divergences: Sequence[int]):
         self.key = key
         self.hit = hit
         self.held = 0
         self.pinned = pinned
+        self.divergences = divergences
+        """The conversation's rewrites (app/sim/cache.usable_tokens), as they grow."""
 
 
 class PrefillJob:
@@ -140,12 +142,13 @@ class Instance:
 
     # ---- leases and the prefix cache ----------------------------------------------
 
-    def open(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int]) -> Lease:
-        """Claim the conversation's cached prefix for a request (its blocks stop being evictable)."""
+    def open(self, key: Hashable, prefix_tokens: int, divergences: Sequence[int], gen: int) -> Lease:
+        """Claim the conversation's cached prefix for a request of generation `gen`
+        (its blocks stop being evictable)."""
         entry = self.cache.pin(key)
-        hit = 0 if entry is None else usable_tokens(entry[0], entry[1], prefix_tokens, divergences)
+        hit = 0 if entry is None else usable_tokens(entry[0], entry[1], prefix_tokens, divergences, gen)
         self.active += 1
-        return Lease(key, hit - hit % self.block, entry is not None)
+        return Lease(key, hit - hit % self.block, entry is not None, divergences)
 
     def publish(self, lease: Lease, tokens: int, gen: int) -> None:
         """The request's first `tokens` are computed: later turns of the conversation
@@ -153,7 +156,7 @@ class Instance:
         moved = min(lease.held, max(0, tokens - tokens % self.block - lease.hit))
         self.reserved -= moved
         lease.held -= moved
-        self.cache.publish(lease.key, tokens, gen, lease.pinned)
+        self.cache.publish(lease.key, tokens, gen, lease.pinned, lease.divergences)
         lease.pinned = True
 
     def close(self, lease: Lease, keep_tokens: int, gen: int) -> None:
@@ -162,7 +165,7 @@ class Instance:
         lease.held = 0
         self.active -= 1
         self.cache.set_limit(self.capacity - self.reserved)
-        self.cache.release(lease.key, keep_tokens, gen, lease.pinned)
+        self.cache.release(lease.key, keep_tokens, gen, lease.pinned, lease.divergences)
         lease.pinned = False
         if self.prefill_q or self.join_q:  # freed memory may admit queued work
             self._poke()

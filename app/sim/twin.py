@@ -245,7 +245,7 @@ class Twin:
         p, _ = self._route(RoleName.prefill, job.keys)
         job.p = p
         p.streams += 1
-        job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs)
+        job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
         self._prefill(job, p, req.prompt_tokens, cb)
 
     def _prefilled(self, job: Job) -> None:
@@ -258,7 +258,7 @@ class Twin:
     def _open_decoder(self, job: Job, inst: Instance, prefix_tokens: int) -> None:
         job.d = inst
         inst.streams += 1
-        job.dl = inst.open(job.req.session, prefix_tokens, job.sess.divs)
+        job.dl = inst.open(job.req.session, prefix_tokens, job.sess.divs, job.gen)
 
     def _decode(self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float,
                 cb: Callable[[Seq, float], None] | None = None) -> Seq:
@@ -428,7 +428,7 @@ class Twin:
         else:
             r = job.r
             r.streams += 1
-            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs)
+            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
             job.pulls = 2
             self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
             job.warm = self.pending.track(job.md.name, job.keys)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ def cluster():
     )
     yield c
     local_cluster.down(c)
+    shutil.rmtree(c.temp_dir, ignore_errors=True)  # Ray's session logs and sockets, one folder per run
 
 
 @pytest.fixture(scope="module")

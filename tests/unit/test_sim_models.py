@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.config import AcceleratorSpec, LinkConfig, ModelSpec
-from app.sim.cache import PrefixCache, usable_tokens
+from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.events import Loop
 from app.sim.network import Link
 from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_samples, save_samples
@@ -166,12 +166,41 @@ def test_shrinking_the_limit_evicts():
     assert c.peek("a") == (30, 0)
 
 
-def test_usable_tokens_stop_at_a_later_rewrite():
+def test_usable_tokens_stop_at_a_rewrite_between_entry_and_prompt():
     # entry written at generation 0; the conversation was rewritten keeping 40 tokens
-    assert usable_tokens(100, 0, 500, [40]) == 40
-    assert usable_tokens(100, 1, 500, [40]) == 100  # written after the rewrite
-    assert usable_tokens(100, 1, 70, [40]) == 70  # never more than the prompt shares
+    assert usable_tokens(100, 0, 500, [40], gen=1) == 40
+    assert usable_tokens(100, 1, 500, [40], gen=1) == 100  # written after the rewrite
+    assert usable_tokens(100, 1, 70, [40], gen=1) == 70  # never more than the prompt shares
+    # a generation-0 request opening after the rewrite: a generation-0 entry is all its own,
+    # a generation-1 entry shares only what the rewrite kept
+    assert usable_tokens(100, 0, 500, [40], gen=0) == 100
+    assert usable_tokens(100, 1, 500, [40], gen=0) == 40
+    assert usable_tokens(100, 0, 500, [60, 30, 80], gen=3) == 30  # the deepest cut between
 
+
+
+def test_late_work_of_an_older_generation_keeps_the_newer_entry():
+    """MD catching up on a turn the conversation has since rewritten (kept 40 tokens)
+    lands after the newer turn: the newer stream stays cached, as vLLM's
+    content-addressed blocks would."""
+    divs = [40]
+    c = PrefixCache(limit_tokens=1000, block_size=10)
+    c.put("a", 70, 1, divs)  # generation 1's turn ended: 70 tokens of the new stream
+    c.put("a", 300, 0, divs)  # the older turn's 300 tokens land late: only 40 are the new stream's
+    assert c.peek("a") == (70, 1)
+    c.put("a", 30, 1, divs)  # a shorter request of the same stream does not shrink it
+    assert c.peek("a") == (70, 1)
+    c.put("a", 20, 2, divs + [50])  # a newer rewrite kept 50: the new turn wrote only 20
+    assert c.peek("a") == (50, 2), "the first 50 tokens are the same blocks"
+    assert c.used == 50
+
+
+def test_merge_goes_both_ways_across_rewrites():
+    assert merged(300, 0, 70, 1, [40]) == (70, 1)
+    assert merged(30, 0, 20, 1, [40]) == (30, 1)
+    assert merged(70, 1, 300, 0, [40]) == (70, 1)
+    assert merged(10, 1, 300, 0, [40]) == (40, 1)
+    assert merged(60, 2, 300, 0, [90, 30]) == (60, 2)
 
 # ---- links -----------------------------------------------------------------------------
 
