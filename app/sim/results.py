@@ -28,7 +28,7 @@ class RequestResult:
     output_tokens: int
     prefill_hit_tokens: int
     decode_hit_tokens: int
-    """Prefix hit at the replica that finished the request (MD in PDD)."""
+    """Prefix hit at the decoding replica: MD in PDD, also when the relay finished the request."""
     relay_tokens: int
     """Tokens the relay decoder produced."""
     wan_bytes: int
@@ -36,6 +36,7 @@ class RequestResult:
 
 _COLUMNS = ("rid", "arrival", "ttft", "last", "gap", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan")
 _WAN = _COLUMNS.index("wan")
+_D_HIT = _COLUMNS.index("d_hit")
 _INTS = {"rid", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan"}
 
 
@@ -54,6 +55,10 @@ class Results:
     def add_wan(self, row: int, nbytes: int) -> None:
         """WAN bytes a finished request still moved (MD catching up after the relay ended it)."""
         self.rows[row * len(_COLUMNS) + _WAN] += nbytes
+
+    def set_decode_hit(self, row: int, tokens: int) -> None:
+        """MD's hit on a request the relay finished before MD's pull started."""
+        self.rows[row * len(_COLUMNS) + _D_HIT] = tokens
 
     def __len__(self) -> int:
         return len(self.rows) // len(_COLUMNS)

@@ -438,6 +438,8 @@ class Twin:
         """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
         req = job.req
         self._open_decoder(job, job.md, req.prefix_tokens)
+        if job.done:  # the relay finished the request while MD's pull waited
+            self.results.set_decode_hit(job.row, job.dl.hit)
         self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
 

@@ -187,6 +187,7 @@ def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pu
     assert first.wan_bytes == app.policy.blocks_missing(4000, 0, BLOCK) * BLOCK * KVB  # moved after it ended
     held = (4000 + 20) // BLOCK * BLOCK if timeout_s > 2 else 0  # what MD holds when turn 2's pull starts
     assert second.wan_bytes == app.policy.blocks_missing(4100, held, BLOCK) * BLOCK * KVB
+    assert second.decode_hit_tokens == held  # MD's hit, though MD opened after the relay finished turn 2
 
 
 def test_catch_up_rounds_go_through_policy(monkeypatch):
