@@ -45,7 +45,7 @@ def merged(tokens: int, gen: int, new_tokens: int, new_gen: int, divergences: Se
     """An entry of `tokens` at generation `gen` after a request of generation
     `new_gen` leaves `new_tokens`: the newer generation's stream, as far as
     either request's blocks hold it."""
-    if new_gen == gen:
+    if new_gen == gen:  # the usual case, without a call (the next branch gives the same)
         return (new_tokens if new_tokens > tokens else tokens), gen
     if new_gen > gen:
         kept = usable_tokens(tokens, gen, tokens, divergences, new_gen)
@@ -114,10 +114,7 @@ class PrefixCache:
         tokens -= tokens % self.block
         p = self.pinned.get(key)
         if p is None:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.used -= old[0]
-                tokens, gen = merged(old[0], old[1], tokens, gen, divergences)
+            tokens, gen = self._take(key, tokens, gen, divergences)
             self.pinned[key] = [tokens, gen, 1]
             self.used += tokens
             self.held += tokens
@@ -139,14 +136,19 @@ class PrefixCache:
             self.held += tokens - p[0]
             p[0], p[1] = tokens, gen
         else:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.used -= old[0]
-                tokens, gen = merged(old[0], old[1], tokens, gen, divergences)
+            tokens, gen = self._take(key, tokens, gen, divergences)
             if tokens > 0:
                 self.entries[key] = (tokens, gen)
                 self.used += tokens
         self._evict()
+
+    def _take(self, key: Hashable, tokens: int, gen: int, divergences: Sequence[int]) -> tuple[int, int]:
+        """Remove the evictable entry of `key`, if any; the entry `tokens` at `gen` then makes."""
+        old = self.entries.pop(key, None)
+        if old is None:
+            return tokens, gen
+        self.used -= old[0]
+        return merged(old[0], old[1], tokens, gen, divergences)
 
     def set_limit(self, limit_tokens: int) -> None:
         self.limit = limit_tokens

@@ -178,7 +178,6 @@ def test_usable_tokens_stop_at_a_rewrite_between_entry_and_prompt():
     assert usable_tokens(100, 0, 500, [60, 30, 80], gen=3) == 30  # the deepest cut between
 
 
-
 def test_late_work_of_an_older_generation_keeps_the_newer_entry():
     """MD catching up on a turn the conversation has since rewritten (kept 40 tokens)
     lands after the newer turn: the newer stream stays cached, as vLLM's
@@ -201,6 +200,7 @@ def test_merge_goes_both_ways_across_rewrites():
     assert merged(70, 1, 300, 0, [40]) == (70, 1)
     assert merged(10, 1, 300, 0, [40]) == (40, 1)
     assert merged(60, 2, 300, 0, [90, 30]) == (60, 2)
+
 
 # ---- links -----------------------------------------------------------------------------
 
