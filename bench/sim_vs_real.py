@@ -102,8 +102,7 @@ def main() -> None:
         FITTED.write_text(perf.to_json())
         save_samples(OUT_DIR / "calibration_samples.json", samples)
         console.print(f"calibrated on {len(samples)} measured steps; wrote {FITTED}")
-    console.print(f"step = {perf.a_ms:.2f} ms + {perf.b_ms_per_prefill_token:.4f} ms/prefill token + "
-                  f"{perf.c_ms_per_decode_seq:.3f} ms/decode seq + {perf.d_ms_per_kv_token:.6f} ms/context token")
+    console.print(perf.describe())
 
     real: dict[str, dict] = {}
     twin: dict[str, dict] = {}

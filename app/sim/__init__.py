@@ -27,8 +27,9 @@ API for comparisons with real runs (e.g. bench/sim_vs_real.py):
   `SimRun.results.arrays()` gives the same as numpy columns (fast for
   millions); `SimRun.summary(warmup)` the figures `pdd sim` prints.
 - `fit_from_samples(samples) -> FittedPerf`: step time = a + b*prefill_tokens
-  + c*decode_seqs + d*kv_tokens_read, least squares, non-negative; samples
-  JSON format in app/sim/perf.py (`load_samples`, `save_samples`).
+  + c*decode_seqs + d*kv_tokens_read + e*attention_pairs, least squares on
+  relative errors, non-negative; samples JSON format in app/sim/perf.py
+  (`load_samples`, `save_samples`).
 - `goodput_search(config, workload_at, ...)`: the highest RPS meeting the
   config's SLO; `hit_sweep(...)`: benefit against prefix hit rate.
 

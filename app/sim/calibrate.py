@@ -5,10 +5,12 @@ this measures one real engine of the config (the role's engine arguments,
 app/engine.py) in this process and fits `FittedPerf` (app/sim/perf.py):
 
 - prefill steps: one fresh prompt of N tokens with `max_tokens=1`, N up to the
-  engine's token budget so it is one step; its wall time is that step;
+  engine's token budget so it is one step; its wall time is that step (N
+  tokens read, N(N+1)/2 attention pairs);
 - decode steps: n fresh prompts of K tokens decoding together; from the last
   one's first token to the first one's end, every step decodes all n, reading
-  about n x K context tokens: that window over its steps is one step.
+  about n x K context tokens (as many attention pairs): that window over its
+  steps is one step.
 
 Every prompt starts with a token no other prompt of the run starts with, so the
 prefix cache never hits. `pdd calibrate CONFIG` writes the fitted model (for
@@ -126,7 +128,7 @@ async def measure(
             for _ in range(repeats):
                 start = time.perf_counter()
                 await _generate(engine, prompts(n), 1)
-                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000))
+                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000, n * (n + 1) / 2))
             progress(f"prefill {n} tokens: {samples[-1].step_ms:.1f} ms")
         for seqs, context in decode_shapes:
             context = min(context, config.model.max_model_len - decode_tokens - 1)
@@ -138,7 +140,8 @@ async def measure(
                 end = min(t[-1] for t in runs)
                 steps = sum(1 for t in last if last[0] < t <= end)
                 if steps:
-                    samples.append(StepSample(0, seqs, seqs * (context + decode_tokens // 2), (end - last[0]) * 1000 / steps))
+                    read = seqs * (context + decode_tokens // 2)
+                    samples.append(StepSample(0, seqs, read, (end - last[0]) * 1000 / steps, read))
             progress(f"decode {seqs} x {context} tokens: {samples[-1].step_ms:.1f} ms per step")
         return samples
     finally:

@@ -167,8 +167,7 @@ def calibrate(
     out.write_text(perf.to_json())
     if samples_path is not None:
         save_samples(samples_path, samples)
-    console.print(f"{len(samples)} steps measured: step = {perf.a_ms:.2f} ms + {perf.b_ms_per_prefill_token:.4f} ms/prefill token "
-                  f"+ {perf.c_ms_per_decode_seq:.3f} ms/decode seq + {perf.d_ms_per_kv_token:.6f} ms/context token read")
+    console.print(f"{len(samples)} steps measured: {perf.describe()}")
     console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
 
 if __name__ == "__main__":

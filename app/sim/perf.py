@@ -8,9 +8,10 @@ running sequences. Two models answer the same questions:
   model's size figures (config: `node_groups.*.spec`, `model.spec`); a step
   takes the longer of its compute time and its memory time (weights, plus the
   KV attention reads: `kv_read_bytes_per_token` per context token).
-- `FittedPerf`: `step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read`,
-  fitted by least squares from measured steps (`fit_from_samples`); the
+- `FittedPerf`: `step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read
+  + e*attention_pairs`, fitted to measured steps (`fit_from_samples`); the
   calibration path for machines without a spec, such as the CPU dev cluster.
+  The pair term is what makes a long prefill cost more per token than a short one.
 
 Decode-only stretches are simulated without a per-step event: with `n`
 sequences and `K0` context tokens, step `k` reads `K0 + k*n` tokens, so its
@@ -18,12 +19,15 @@ time is the larger of two lines in `k` (`decode_lines`) and `DecodeRamp` sums
 and inverts those steps in closed form.
 
 Samples JSON (`load_samples`): `{"samples": [{"prefill_tokens": int,
-"decode_seqs": int, "kv_tokens_read": int, "step_ms": float}, ...]}`, one entry
-per measured engine step; `kv_tokens_read` counts the context tokens attention
-read in that step (every running sequence's context plus each prefill chunk's
-cached prefix and the chunk itself). A fitted model saves as `{"a_ms": ...,
-"b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
-"d_ms_per_kv_token": ...}` (`FittedPerf.to_json` / `from_json`).
+"decode_seqs": int, "kv_tokens_read": int, "step_ms": float,
+"attention_pairs": float}, ...]}`, one entry per measured engine step;
+`kv_tokens_read` counts the context tokens attention read in that step (every
+running sequence's context plus each prefill chunk's cached prefix and the
+chunk itself), `attention_pairs` the (query, key) token pairs it computed
+(optional, 0 when unknown: the fit then has no pair term). A fitted model saves
+as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
+"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ...}`
+(`FittedPerf.to_json` / `from_json`; a model saved without `e` reads as e = 0).
 """
 
 from __future__ import annotations
@@ -85,21 +89,29 @@ class Roofline:
 
 @dataclass(frozen=True)
 class FittedPerf:
-    """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read (all >= 0)."""
+    """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read + e*attention_pairs (all >= 0)."""
 
     a_ms: float
     b_ms_per_prefill_token: float
     c_ms_per_decode_seq: float
     d_ms_per_kv_token: float
+    e_ms_per_attention_pair: float = 0.0
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0) -> float:
         return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
-                + self.d_ms_per_kv_token * kv_tokens_read) / 1000
+                + self.d_ms_per_kv_token * kv_tokens_read + self.e_ms_per_attention_pair * attention_pairs) / 1000
 
     def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
-        p0 = (self.a_ms + self.c_ms_per_decode_seq * n + self.d_ms_per_kv_token * k0) / 1000
-        p1 = self.d_ms_per_kv_token * n / 1000
+        # a decode token attends to its whole context: pairs == tokens read
+        per_token = self.d_ms_per_kv_token + self.e_ms_per_attention_pair
+        p0 = (self.a_ms + self.c_ms_per_decode_seq * n + per_token * k0) / 1000
+        p1 = per_token * n / 1000
         return p0, p1, p0, p1
+
+    def describe(self) -> str:
+        return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
+                f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
+                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs")
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)
@@ -115,6 +127,7 @@ class StepSample:
     decode_seqs: int
     kv_tokens_read: int
     step_ms: float
+    attention_pairs: float = 0.0
 
 
 def load_samples(path: str | Path) -> list[StepSample]:
@@ -127,7 +140,12 @@ def save_samples(path: str | Path, samples: Iterable[StepSample]) -> None:
 
 
 def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> FittedPerf:
-    """Least squares with non-negative coefficients.
+    """Least squares on relative errors, with non-negative coefficients.
+
+    Relative, because measured steps span two orders of magnitude (a lone
+    decode step against a full prefill budget): on absolute errors the large
+    prefill steps decide every coefficient, and the model could put a small
+    decode step at a fraction of its measured time.
 
     A coefficient that comes out negative (noise, or a column the samples never
     vary) is pinned to 0 and the rest refitted: a negative cost per token would
@@ -138,10 +156,13 @@ def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> Fit
     rows = [s if isinstance(s, StepSample) else StepSample(**s) for s in samples]
     if len(rows) < 2:
         raise ValueError("need at least two samples to fit a step-time model")
-    x = np.array([[1.0, r.prefill_tokens, r.decode_seqs, r.kv_tokens_read] for r in rows])
+    if bad := [r for r in rows if not r.step_ms > 0]:
+        raise ValueError(f"every sample's step_ms must be > 0; got {bad[0]}")
+    x = np.array([[1.0, r.prefill_tokens, r.decode_seqs, r.kv_tokens_read, r.attention_pairs] for r in rows])
     y = np.array([r.step_ms for r in rows])
-    free = [0, 1, 2, 3]
-    coef = np.zeros(4)
+    x, y = x / y[:, None], np.ones_like(y)
+    free = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
     while free:
         sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
         if (sol >= 0).all():

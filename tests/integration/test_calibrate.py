@@ -19,4 +19,4 @@ def test_calibration_on_a_real_engine():
     assert by_shape[(2048, 0)] > by_shape[(64, 0)], by_shape  # 32x the tokens is never faster on one engine
     # the fit reproduces what it was fitted on to within its noise
     for s in samples:
-        assert perf.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, 0.0) * 1000 == pytest.approx(s.step_ms, rel=0.6, abs=5.0)
+        assert perf.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) * 1000 == pytest.approx(s.step_ms, rel=0.6, abs=5.0)

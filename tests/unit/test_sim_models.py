@@ -73,20 +73,45 @@ def test_decode_ramp_rejects_a_zero_step():
 
 # ---- fitting -------------------------------------------------------------------------
 
-def _samples(a, b, c, d, shapes, noise=lambda i: 0.0):
-    return [StepSample(p, s, k, a + b * p + c * s + d * k + noise(i)) for i, (p, s, k) in enumerate(shapes)]
+def _samples(a, b, c, d, shapes, noise=lambda i: 0.0, e=0.0):
+    """Steps of a model with those coefficients; a shape's pairs are its prefill's own (p^2/2) plus its decode reads."""
+    out = []
+    for i, (p, s, k) in enumerate(shapes):
+        pairs = p * p / 2 + (k if s else 0)
+        out.append(StepSample(p, s, k, (a + b * p + c * s + d * k + e * pairs) * (1 + noise(i)), pairs))
+    return out
 
 
 SHAPES = [(p, s, k) for p in (0, 32, 256, 1024) for s in (0, 1, 8, 32) for k in (0, 500, 4000) if p or s]
 
 
 def test_fit_recovers_the_generating_coefficients():
-    fitted = fit_from_samples(_samples(4.0, 0.02, 0.7, 0.001, SHAPES, noise=lambda i: 0.01 * ((i * 7919) % 11 - 5) / 5))
-    assert fitted.a_ms == pytest.approx(4.0, abs=0.02)
-    assert fitted.b_ms_per_prefill_token == pytest.approx(0.02, rel=0.01)
+    fitted = fit_from_samples(_samples(4.0, 0.02, 0.7, 0.001, SHAPES, noise=lambda i: 0.002 * ((i * 7919) % 11 - 5) / 5, e=2e-5))
+    assert fitted.a_ms == pytest.approx(4.0, rel=0.02)
+    assert fitted.b_ms_per_prefill_token == pytest.approx(0.02, rel=0.02)
     assert fitted.c_ms_per_decode_seq == pytest.approx(0.7, rel=0.02)
-    assert fitted.d_ms_per_kv_token == pytest.approx(0.001, rel=0.02)
-    assert fitted.step_s(100, 4, 1000) == pytest.approx((4.0 + 2 + 2.8 + 1) / 1000, rel=0.01)
+    assert fitted.d_ms_per_kv_token == pytest.approx(0.001, rel=0.05)
+    assert fitted.e_ms_per_attention_pair == pytest.approx(2e-5, rel=0.05)
+    assert fitted.step_s(100, 4, 1000, 9000) == pytest.approx((4.0 + 2 + 2.8 + 1 + 0.18) / 1000, rel=0.01)
+
+
+#: Steps a calibration measured on a 2-core dev machine (ms, two repeats per shape):
+#: prefill N fresh tokens; decode n sequences reading K context tokens.
+MEASURED_PREFILL = {64: (17.2, 9.0), 256: (38.4, 19.6), 512: (65.8, 35.8), 1024: (130.6, 86.5), 2048: (299.9, 236.2)}
+MEASURED_DECODE = {(1, 280): (3.46, 2.93), (1, 4120): (4.08, 4.39), (4, 1120): (4.03, 3.85), (4, 8288): (7.02, 6.61),
+                   (8, 8384): (7.39, 7.34), (16, 8576): (8.69, 8.38), (16, 33152): (19.04, 18.94)}
+
+
+def test_fit_keeps_small_steps_right_beside_large_ones():
+    # the prefill steps are 10-100x the decode steps and noisy: fitting absolute
+    # errors let them decide alone, and put a lone decode step at -86%
+    samples = [StepSample(n, 0, n, ms, n * (n + 1) / 2) for n, pair in MEASURED_PREFILL.items() for ms in pair]
+    samples += [StepSample(0, s, k, ms, k) for (s, k), pair in MEASURED_DECODE.items() for ms in pair]
+    fitted = fit_from_samples(samples)
+    for (s, k), pair in MEASURED_DECODE.items():
+        assert fitted.step_s(0, s, k, k) * 1000 == pytest.approx(sum(pair) / 2, rel=0.15), (s, k)
+    for n, pair in MEASURED_PREFILL.items():
+        assert fitted.step_s(n, 0, n, n * (n + 1) / 2) * 1000 == pytest.approx(sum(pair) / 2, rel=0.4), n
 
 
 def test_fit_never_returns_a_negative_cost():
