@@ -7,6 +7,11 @@ app/engine.py) in this process and fits `FittedPerf` (app/sim/perf.py):
 - prefill steps: one fresh prompt of N tokens with `max_tokens=1`, N up to the
   engine's token budget so it is one step; its wall time is that step (N
   tokens read, N(N+1)/2 attention pairs);
+- prefill steps after a cached prefix, as most agentic turns are: a prompt of K
+  tokens is sent once to cache it, then the same K plus N new tokens; that
+  second request's wall time is one step of N tokens reading K + N
+  (N*K + N(N+1)/2 pairs). A chunk attending to a long prefix runs another
+  kernel path than a fresh prompt, at its own cost per pair;
 - decode steps: n fresh prompts of K tokens decoding together; from the last
   one's first token to the first one's end, every step decodes all n, reading
   about n x K context tokens (as many attention pairs): that window over its
@@ -35,6 +40,9 @@ from app.sim.perf import FittedPerf, StepSample, fit_from_samples
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Prompt lengths of the prefill samples (clipped to the engine's token budget).
 PREFILL_TOKENS = (64, 256, 512, 1024, 2048, 4096)
+#: (cached prefix tokens, new tokens) of the prefill samples after a cached prefix
+#: (the prefix rounded down to whole KV blocks, the sum clipped to the model length).
+PREFIX_SHAPES = ((2048, 64), (4096, 64), (6144, 256), (4096, 1024), (2048, 2048))
 #: (sequences, prompt tokens each) of the decode samples.
 DECODE_SHAPES = ((1, 256), (1, 4096), (4, 256), (4, 2048), (8, 1024), (16, 512), (16, 2048))
 DECODE_TOKENS = 48
@@ -104,6 +112,7 @@ async def measure(
     role: RoleName = RoleName.prefill,
     *,
     prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    prefix_shapes: Sequence[tuple[int, int]] = PREFIX_SHAPES,
     decode_shapes: Sequence[tuple[int, int]] = DECODE_SHAPES,
     decode_tokens: int = DECODE_TOKENS,
     repeats: int = REPEATS,
@@ -130,6 +139,19 @@ async def measure(
                 await _generate(engine, prompts(n), 1)
                 samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000, n * (n + 1) / 2))
             progress(f"prefill {n} tokens: {samples[-1].step_ms:.1f} ms")
+        block = vllm_config.cache_config.block_size
+        for cached, new in prefix_shapes:
+            new = min(new, limit)
+            cached = min(cached, config.model.max_model_len - new - 1) // block * block
+            if cached <= 0:
+                continue
+            for _ in range(repeats):
+                prefix = prompts(cached)
+                await _generate(engine, prefix, 1)
+                start = time.perf_counter()
+                await _generate(engine, prefix + prompts(new), 1)
+                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, new * cached + new * (new + 1) / 2))
+            progress(f"prefill {new} tokens after {cached} cached: {samples[-1].step_ms:.1f} ms")
         for seqs, context in decode_shapes:
             context = min(context, config.model.max_model_len - decode_tokens - 1)
             if seqs > vllm_config.scheduler_config.max_num_seqs:

@@ -152,7 +152,7 @@ def calibrate(
     out: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="Fitted model JSON (for `pdd sim --perf`)"),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
-    """Measure one real engine of CONFIG (prefill and decode steps) and fit the twin's step-time model."""
+    """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model."""
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import save_samples
 
