@@ -1,7 +1,8 @@
 """PDD on real engines: every pipeline and handoff mode gives the colocated tokens.
 
-One app: 1 P + 1 RLD in dc-a, 2 MD in dc-b, a 20 Mbit/s WAN (a 2400-token
-prompt's KV takes ~4 s to cross, so relays really relay).
+One app: 1 P + 1 RLD in dc-a, 2 MD in dc-b, a 40 Mbit/s WAN: a 2400-token
+prompt's KV takes ~2 s to cross, while the relay's 1600 tokens take twice that
+or more, so relays really relay and hand over.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
 
 LONG = 2400
-OUT = 800
+OUT = 1600
 
 
 @pytest.fixture(scope="module")
 def app(serve_instance):
     args = local_args()
     args["roles"]["main_decode"]["replicas"] = 2
-    set_wan(args, 20, 20)
+    set_wan(args, 40, 20)
     deployed = deploy_app(serve_instance, "pdd", args)
     yield deployed
     deployed.delete()
@@ -104,7 +105,7 @@ def assert_relayed_then_handed_over(journey, max_tokens):
 
 @pytest.mark.parametrize("mode", ["one_shot", "catch_up", "auto"])
 def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
-    # long enough that the relay is still going when MD holds the KV (~4 s)
+    # long enough that the relay is still going when MD holds the KV (~2 s)
     knobs(handoff={"mode": mode, "catch_up_threshold_tokens": 32, "relay_cap_tokens": 2048})
     prompt_a, prompt_b = fresh(LONG), fresh(LONG)
     text_a, journey = completion(app, prompt_a, OUT)
@@ -128,7 +129,7 @@ def test_high_hit_turn_goes_straight_to_md(app):
     client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
     first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0, extra_body={"return_token_ids": True})
     answer = first.choices[0].token_ids
-    if app.journey(first.id)["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~4 s)
+    if app.journey(first.id)["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~2 s)
         wait_wan_idle(app)
     turn2 = turn1 + answer + fresh(60)
     text, journey = completion(app, turn2, 64)

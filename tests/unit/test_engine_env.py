@@ -10,7 +10,7 @@ from app.config import PDDConfig, RoleName
 from app.engine import set_engine_env
 from tests.conftest import local_args
 
-ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")
+ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 @pytest.fixture
@@ -35,6 +35,12 @@ def test_engines_are_not_pinned_to_one_core(config, clean_env):
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
+def test_the_model_runs_in_the_engine_core_process(config, clean_env):
+    # vLLM's CPU platform keeps its single-process executor only with this off
+    set_engine_env(config, RoleName.prefill)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 def test_a_fraction_of_a_cpu_still_gets_a_thread(config, clean_env):
     set_engine_env(config, RoleName.main_decode)  # gpu-b: 0.25 CPUs
     assert os.environ["OMP_NUM_THREADS"] == "1"
@@ -43,6 +49,8 @@ def test_a_fraction_of_a_cpu_still_gets_a_thread(config, clean_env):
 def test_what_the_operator_set_wins(config, clean_env):
     clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
     clean_env.setenv("OMP_NUM_THREADS", "4")
+    clean_env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     set_engine_env(config, RoleName.main_decode)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     assert os.environ["OMP_NUM_THREADS"] == "4"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
