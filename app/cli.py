@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -150,9 +151,10 @@ def run(
     config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve config YAML"),
     timeout_s: float = typer.Option(600, help="Give up when the app is not running after this long"),
 ) -> None:
-    """Start a local cluster, deploy CONFIG, and serve until Ctrl-C."""
+    """Start a local cluster, deploy CONFIG, and serve until Ctrl-C (or SIGTERM)."""
     import os
 
+    stop_on_sigterm()
     config = _load(config_path)
     os.environ.update(cluster.CLUSTER_ENV)
     if config.model.source == "devmodel":
@@ -196,6 +198,16 @@ def run(
     finally:
         if started is not None:
             cluster.down(started, echo=console.print)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (`kill`, `docker stop`, systemd) stops like Ctrl-C: Python's default
+    would end the process at once and leave the cluster, Prometheus and the agents running."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _start_prometheus(config):
