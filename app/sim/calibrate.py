@@ -18,7 +18,7 @@ app/engine.py) in this process and fits `FittedPerf` (app/sim/perf.py):
   steps is one step.
 
 Every prompt starts with a token no other prompt of the run starts with, so the
-prefix cache never hits. `pdd calibrate CONFIG` writes the fitted model (for
+prefix cache hits only where a sample sends a prefix again on purpose. `pdd calibrate CONFIG` writes the fitted model (for
 `pdd sim --perf`) and the samples.
 
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from app.config import ModelSpec, PDDConfig, RoleName
-from app.sim.perf import FittedPerf, StepSample, fit_from_samples
+from app.sim.perf import FittedPerf, StepSample, chunk_attention_pairs, fit_from_samples
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Prompt lengths of the prefill samples (clipped to the engine's token budget).
@@ -137,7 +137,7 @@ async def measure(
             for _ in range(repeats):
                 start = time.perf_counter()
                 await _generate(engine, prompts(n), 1)
-                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000, n * (n + 1) / 2))
+                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000, chunk_attention_pairs(n, 0)))
             progress(f"prefill {n} tokens: {samples[-1].step_ms:.1f} ms")
         block = vllm_config.cache_config.block_size
         for cached, new in prefix_shapes:
@@ -150,7 +150,7 @@ async def measure(
                 await _generate(engine, prefix, 1)
                 start = time.perf_counter()
                 await _generate(engine, prefix + prompts(new), 1)
-                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, new * cached + new * (new + 1) / 2))
+                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, chunk_attention_pairs(new, cached)))
             progress(f"prefill {new} tokens after {cached} cached: {samples[-1].step_ms:.1f} ms")
         for seqs, context in decode_shapes:
             context = min(context, config.model.max_model_len - decode_tokens - 1)

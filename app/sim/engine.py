@@ -297,7 +297,7 @@ class Instance:
             for job, c in chunks:
                 pf += c
                 kv += job.ctx + c
-                pairs += c * job.ctx + c * (c + 1) / 2
+                pairs += c * job.ctx + c * (c + 1) / 2  # perf.chunk_attention_pairs, inlined
             dt = self.perf.step_s(pf, self.n, kv, pairs)
             self.state = STEP
             self.chunks = chunks

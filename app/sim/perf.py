@@ -130,6 +130,13 @@ class StepSample:
     attention_pairs: float = 0.0
 
 
+def chunk_attention_pairs(tokens: int, cached: int) -> float:
+    """(query, key) pairs of a prefill chunk of `tokens` after `cached` context
+    tokens: each token attends to the context and to the chunk up to itself
+    (app/sim/engine.py inlines the same sum on its hot path)."""
+    return tokens * cached + tokens * (tokens + 1) / 2
+
+
 def load_samples(path: str | Path) -> list[StepSample]:
     doc = json.loads(Path(path).read_text())
     return [StepSample(**s) for s in doc["samples"]]
