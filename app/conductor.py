@@ -88,9 +88,11 @@ class Tokens:
 
 class LinkDirectory:
     """The link emulators as routing sees them (one deployment per receiving
-    datacenter): relay addresses and link health, refreshed at most every
-    HEALTH_TTL_S (a replaced replica has new ports). A datacenter whose emulator
-    does not answer counts as cut off."""
+    datacenter): relay addresses and link health. A background poll refreshes
+    them every HEALTH_TTL_S (a replaced replica has new ports), so requests
+    read the last view and never wait on the emulators' answers; only the
+    first call waits for a view. A datacenter whose emulator does not answer
+    counts as cut off."""
 
     HEALTH_TTL_S = 1.0
     CALL_TIMEOUT_S = 2.0
@@ -105,12 +107,28 @@ class LinkDirectory:
         self._relays: dict[str, tuple[str, int]] = {}
         self._counters: dict[str, Any] = {}
         self._unreachable: set[str] = set()
-        self._refreshed_at = -1e9
+        self._first: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
 
-    async def _refresh(self) -> None:
-        if time.monotonic() - self._refreshed_at <= self.HEALTH_TTL_S:
-            return
-        self._refreshed_at = time.monotonic()
+    async def _view(self) -> None:
+        """The first call (on each event loop) starts the poll and, with any calls
+        beside it, waits for the first answers; later calls read the view."""
+        if self._poller is None or self._poller.done():
+            self._first = asyncio.create_task(self.refresh())
+            self._poller = asyncio.create_task(self._poll())
+        if not self._first.done():
+            await asyncio.shield(self._first)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.HEALTH_TTL_S)
+            try:
+                await self.refresh()
+            except Exception:  # the next round tries again; requests keep the last view
+                logger.exception("refreshing the link emulators' view failed")
+
+    async def refresh(self) -> None:
+        """Ask every emulator for its relays and counters once."""
         results = await asyncio.gather(*(self._ask(dc, h) for dc, h in self._handles.items()))
         for dc, result in zip(self._handles, results):
             if result is None:
@@ -133,16 +151,16 @@ class LinkDirectory:
             return None
 
     async def counters(self) -> dict[str, Any]:
-        await self._refresh()
+        await self._view()
         return self._counters
 
     async def is_up(self, src_dc: str, dst_dc: str) -> bool:
-        await self._refresh()
+        await self._view()
         link = self._counters.get(direction_name(src_dc, dst_dc))
         return dst_dc not in self._unreachable and (link is None or not link["is_cut"])
 
     async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
-        await self._refresh()
+        await self._view()
         name = direction_name(src_dc, dst_dc)
         if name not in self._relays:
             raise EngineError(f"no link emulator for {name} (reachable: {', '.join(sorted(self._relays)) or 'none'})")

@@ -1,4 +1,5 @@
-"""The conductor's view of the link emulators: one slow answer is not an outage."""
+"""The conductor's view of the link emulators: one slow answer is not an outage,
+and no request waits for the emulators once a view exists."""
 
 from __future__ import annotations
 
@@ -15,39 +16,96 @@ class _Method:
         async def answer():
             if self.owner.down:
                 raise RuntimeError("actor unreachable")
+            await self.owner.answering.wait()
             return self.value
 
         return answer()
 
 
 class _Emulator:
-    """Answers like a Links-<dc> deployment handle, or fails like a dead one."""
+    """Answers like a Links-<dc> deployment handle, fails like a dead one, or hangs (`answering` cleared)."""
 
     def __init__(self, dc: str):
         self.down = False
+        self.answering = asyncio.Event()
+        self.answering.set()
         self.describe = _Method(self, {f"dc-a->{dc}": ("10.0.0.2", 7000)})
         self.counters = _Method(self, {f"dc-a->{dc}": {"is_cut": False, "bytes_down": 1}})
 
 
+def _directory(b: _Emulator, ttl_s: float) -> LinkDirectory:
+    links = LinkDirectory({"dc-b": b})
+    links.HEALTH_TTL_S = ttl_s
+    return links
+
+
 def test_a_datacenter_is_cut_off_only_after_consecutive_misses():
     b = _Emulator("dc-b")
-    links = LinkDirectory({"dc-b": b})
-    links.HEALTH_TTL_S = 0.0
+    links = _directory(b, ttl_s=3600)  # refreshes only where the test asks
 
-    async def up() -> bool:
-        return await links.is_up("dc-a", "dc-b")
+    async def scenario() -> None:
+        assert await links.is_up("dc-a", "dc-b")
+        b.down = True
+        await links.refresh()
+        assert (await links.counters())["dc-a->dc-b"]["bytes_down"] == 1, "one missed refresh keeps the last known state"
+        assert await links.is_up("dc-a", "dc-b")
+        await links.refresh()
+        assert not await links.is_up("dc-a", "dc-b"), "the second in a row cuts it off"
+        assert await links.counters() == {}
+        b.down = False
+        await links.refresh()
+        assert await links.is_up("dc-a", "dc-b")
 
-    assert asyncio.run(up())
-    b.down = True
-    assert asyncio.run(links.counters())["dc-a->dc-b"]["bytes_down"] == 1, "one missed refresh keeps the last known state"
-    assert not asyncio.run(up()), "the second in a row cuts it off"
-    assert asyncio.run(links.counters()) == {}
-    b.down = False
-    assert asyncio.run(up())
+    asyncio.run(scenario())
 
 
 def test_never_seen_is_unreachable():
     b = _Emulator("dc-b")
     b.down = True
-    links = LinkDirectory({"dc-b": b})
+    links = _directory(b, ttl_s=3600)
     assert not asyncio.run(links.is_up("dc-a", "dc-b"))
+
+
+def test_requests_read_the_last_view_while_the_emulators_are_slow():
+    """The poll, not the request, waits for the emulators: before, a request whose
+    view was older than HEALTH_TTL_S waited for their answers on its way to prefill."""
+    b = _Emulator("dc-b")
+    links = _directory(b, ttl_s=0.01)
+
+    async def scenario() -> None:
+        assert await links.is_up("dc-a", "dc-b")
+        b.answering.clear()  # every later question hangs (until the call timeout)
+        await asyncio.sleep(0.05)  # the view is stale and a refresh is under way
+        assert await asyncio.wait_for(links.is_up("dc-a", "dc-b"), timeout=1.0)
+        name, relay = await asyncio.wait_for(links.relay("dc-a", "dc-b"), timeout=1.0)
+        assert (name, relay) == ("dc-a->dc-b", ("10.0.0.2", 7000))
+        b.answering.set()
+
+    asyncio.run(scenario())
+
+
+def test_the_poll_notices_an_outage_and_its_end_without_requests():
+    b = _Emulator("dc-b")
+    links = _directory(b, ttl_s=0.01)
+
+    async def until(up: bool) -> None:
+        while await links.is_up("dc-a", "dc-b") != up:
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        assert await links.is_up("dc-a", "dc-b")
+        b.down = True
+        await asyncio.wait_for(until(False), timeout=5)
+        b.down = False
+        await asyncio.wait_for(until(True), timeout=5)
+
+    asyncio.run(scenario())
+
+
+def test_a_new_event_loop_gets_its_own_poll():
+    b = _Emulator("dc-b")
+    links = _directory(b, ttl_s=3600)
+    assert asyncio.run(links.is_up("dc-a", "dc-b"))
+    b.down = True
+    links.FAILURES_TO_CUT_OFF = 1
+    assert not asyncio.run(links.is_up("dc-a", "dc-b")), "the first call on a new loop waits for a fresh view"
