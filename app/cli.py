@@ -10,6 +10,7 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
@@ -176,7 +177,14 @@ def run(
                 if state == "RUNNING":
                     break
                 if state == "DEPLOY_FAILED" or time.monotonic() - t0 > timeout_s:
-                    console.print(f"[red]deploy failed ({state}):[/red] {message}")
+                    console.print(f"[red]deploy failed ({state}):[/red] {escape(failure_summary(message))}")
+                    if message:
+                        from app.devmodel import default_cache_dir
+
+                        full = default_cache_dir() / "last-deploy-error.txt"
+                        full.parent.mkdir(parents=True, exist_ok=True)
+                        full.write_text(message + "\n")
+                        console.print(f"  with its tracebacks: {full}")
                     raise typer.Exit(1)
                 time.sleep(2)
         console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
@@ -198,6 +206,24 @@ def run(
     finally:
         if started is not None:
             cluster.down(started, echo=console.print)
+
+
+def failure_summary(message: str) -> str:
+    """Serve's failure message without its tracebacks' frames: what failed, and
+    the exception each traceback ends in (the cause, e.g. a port in use, is
+    otherwise buried under dozens of frames)."""
+    kept: list[str] = []
+    in_traceback = False
+    for line in message.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and (line.startswith((" ", "\t")) or not line.strip()):
+            continue
+        else:
+            in_traceback = False
+            if line.strip():
+                kept.append(line.rstrip())
+    return "\n".join(kept)
 
 
 def _interrupt(signum, frame) -> None:
