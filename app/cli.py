@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 import typer
@@ -19,6 +21,7 @@ from app.config import ConfigError, load_config
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 console = Console()
 main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
 cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
@@ -166,7 +169,10 @@ def run(
     if not cluster.is_running(f"{cluster.plan_nodes(config)[0].ip}:{cluster.HEAD_PORT}"):
         started = cluster.up(config, echo=console.print)
     try:
-        doc = _deploy(config_path)
+        try:
+            doc = _deploy(config_path)
+        except Exception as exc:  # the dashboard refused it: Serve's own error text says why
+            _deploy_failed("refused", str(exc))
         http = doc.get("http_options") or {}
         url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
         t0 = time.monotonic()
@@ -177,15 +183,7 @@ def run(
                 if state == "RUNNING":
                     break
                 if state == "DEPLOY_FAILED" or time.monotonic() - t0 > timeout_s:
-                    console.print(f"[red]deploy failed ({state}):[/red] {escape(failure_summary(message))}")
-                    if message:
-                        from app.devmodel import default_cache_dir
-
-                        full = default_cache_dir() / "last-deploy-error.txt"
-                        full.parent.mkdir(parents=True, exist_ok=True)
-                        full.write_text(message + "\n")
-                        console.print(f"  with its tracebacks: {full}")
-                    raise typer.Exit(1)
+                    _deploy_failed(state, message)
                 time.sleep(2)
         console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
         console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
@@ -211,19 +209,26 @@ def run(
 def failure_summary(message: str) -> str:
     """Serve's failure message without its tracebacks' frames: what failed, and
     the exception each traceback ends in (the cause, e.g. a port in use, is
-    otherwise buried under dozens of frames)."""
-    kept: list[str] = []
-    in_traceback = False
-    for line in message.splitlines():
-        if line.startswith("Traceback (most recent call last):"):
-            in_traceback = True
-        elif in_traceback and (line.startswith((" ", "\t")) or not line.strip()):
-            continue
-        else:
-            in_traceback = False
-            if line.strip():
-                kept.append(line.rstrip())
+    otherwise buried under dozens of frames). Frames and code lines are the
+    indented ones."""
+    kept = []
+    for line in _ANSI.sub("", message).splitlines():
+        line = line.split("Traceback (most recent call last):")[0].rstrip()
+        if line and not line[0].isspace() and any(c.isalnum() for c in line):
+            kept.append(line)
     return "\n".join(kept)
+
+
+def _deploy_failed(state: str, message: str) -> NoReturn:
+    console.print(f"[red]deploy failed ({state}):[/red] {escape(failure_summary(message))}")
+    if message:
+        from app.devmodel import default_cache_dir
+
+        full = default_cache_dir() / "last-deploy-error.txt"
+        full.parent.mkdir(parents=True, exist_ok=True)
+        full.write_text(message + "\n")
+        console.print(f"  with its tracebacks: {full}")
+    raise typer.Exit(1)
 
 
 def _interrupt(signum, frame) -> None:

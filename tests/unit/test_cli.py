@@ -24,23 +24,26 @@ def test_sigterm_unwinds_like_ctrl_c(sigterm_restored):
         signal.pause()
 
 
-RAY_FAILURE = """The deployments ['Ingress'] are UNHEALTHY.
-Deployment 'Ingress' in application 'pdd' has 1 replicas that failed to start 3 times in a row. Error:
-Traceback (most recent call last):
-  File "/venv/lib/python3.11/site-packages/ray/serve/_private/replica.py", line 1139, in initialize_and_get_metadata
-    await self._replica_impl.initialize(deployment_config)
-  File "/venv/lib/python3.11/site-packages/ray/serve/_private/replica.py", line 712, in initialize
-    raise RuntimeError(msg)
-
-RuntimeError: Some protocols failed to start their listeners: [http] port 8000 is in use by another process
-"""
+#: What Serve's dashboard answered when port 8000 was taken (`pdd run`, trimmed).
+RAY_FAILURE = """Request failed with status code 500: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/ray/dashboard/modules/serve/serve_head.py", line 175, in put_all_applications
+    client = await serve_start_async(
+             ^^^^^^^^^^^^^^^^^^^^^^^^
+ray.exceptions.RayTaskError(RuntimeError): \x1b[36mray::HAProxyManager.ready()\x1b[39m (pid=9368, ip=127.0.0.2)
+  File "/venv/lib/python3.11/site-packages/ray/serve/_private/haproxy.py", line 2107, in _reload_haproxy
+    await self._haproxy_start_task
+RuntimeError: HAProxy crashed during startup: [NOTICE]   (9404) : haproxy version is 2.8.25-5cf5d0683
+[ALERT]    (9404) : Binding [haproxy.cfg:50] for frontend http_frontend: cannot bind socket (Address already in use) for [127.0.0.1:8000]
+[ALERT]    (9404) : Some protocols failed to start their listeners! Exiting.
+."""
 
 
 def test_a_failed_deploy_is_summed_up_by_what_failed_and_why():
-    summary = failure_summary(RAY_FAILURE)
-    assert summary.splitlines() == [
-        "The deployments ['Ingress'] are UNHEALTHY.",
-        "Deployment 'Ingress' in application 'pdd' has 1 replicas that failed to start 3 times in a row. Error:",
-        "RuntimeError: Some protocols failed to start their listeners: [http] port 8000 is in use by another process",
+    assert failure_summary(RAY_FAILURE).splitlines() == [
+        "Request failed with status code 500:",
+        "ray.exceptions.RayTaskError(RuntimeError): ray::HAProxyManager.ready() (pid=9368, ip=127.0.0.2)",
+        "RuntimeError: HAProxy crashed during startup: [NOTICE]   (9404) : haproxy version is 2.8.25-5cf5d0683",
+        "[ALERT]    (9404) : Binding [haproxy.cfg:50] for frontend http_frontend: cannot bind socket (Address already in use) for [127.0.0.1:8000]",
+        "[ALERT]    (9404) : Some protocols failed to start their listeners! Exiting.",
     ]
     assert failure_summary("no traceback here") == "no traceback here"
