@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import typer
 import yaml
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
@@ -21,7 +21,6 @@ from app.config import ConfigError, load_config
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 console = Console()
 main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
 cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
@@ -212,7 +211,7 @@ def failure_summary(message: str) -> str:
     otherwise buried under dozens of frames). Frames and code lines are the
     indented ones."""
     kept = []
-    for line in _ANSI.sub("", message).splitlines():
+    for line in Text.from_ansi(message).plain.splitlines():
         line = line.split("Traceback (most recent call last):")[0].rstrip()
         if line and not line[0].isspace() and any(c.isalnum() for c in line):
             kept.append(line)

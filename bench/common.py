@@ -218,6 +218,19 @@ def write_outputs(name: str, rows: list[dict[str, Any]], summary: dict[str, Any]
     return csv_path
 
 
+def completion_journey(base_url: str, prompt: list[int], mode: str | None = None, **extra_body: Any) -> dict[str, Any]:
+    """One 2-token greedy completion of `prompt` (served in `mode` when given) and
+    its journey as the conductor recorded it (GET /pdd/requests/{id})."""
+    import httpx
+
+    body = {"model": "pdd-dev", "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra_body}
+    if mode:
+        body["pdd_mode"] = mode
+    out = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+    out.raise_for_status()
+    return httpx.get(f"{base_url}/pdd/requests/{out.json()['id']}", timeout=30).json()
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

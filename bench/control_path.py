@@ -22,25 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.common import LocalApp, median, percentile, wait_http, write_outputs
+from bench.common import LocalApp, completion_journey, median, percentile, wait_http, write_outputs
 from bench.pipelines import bench_args
 
 console = Console(width=140)
 MODES = ("colocated", "pd_intra_dc", "pdd")
 PROMPT_TOKENS = 3000
-
-
-def turn(base_url: str, prompt: list[int], mode: str) -> dict:
-    """One request (2 tokens); its journey as the conductor recorded it."""
-    body = {"model": "pdd-dev", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "pdd_mode": mode}
-    out = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    out.raise_for_status()
-    return httpx.get(f"{base_url}/pdd/requests/{out.json()['id']}", timeout=30).json()
 
 
 def main() -> None:
@@ -61,11 +52,11 @@ def main() -> None:
             for round_ in range(a.rounds):
                 for mode in MODES:
                     prompt = [rng.randrange(3, 400) for _ in range(PROMPT_TOKENS)]
-                    turn(app.base_url, prompt, mode)  # the first turn fills the caches
+                    completion_journey(app.base_url, prompt, mode, ignore_eos=True)  # the first turn fills the caches
                     for _ in range(a.turns):
                         time.sleep(a.gap_s)
                         prompt = prompt + [rng.randrange(3, 400) for _ in range(rng.randint(1, 32))]
-                        journey = turn(app.base_url, prompt, mode)
+                        journey = completion_journey(app.base_url, prompt, mode, ignore_eos=True)
                         if journey.get("error") or journey.get("ttft_ms") is None:
                             raise SystemExit(f"{mode}: request {journey.get('request_id')} failed: {journey.get('error')}")
                         rows.append({"round": round_, "mode": mode, "pipeline": journey["pipeline"], "prompt_tokens": len(prompt),

@@ -21,14 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
 from app.config import LinkConfig
 from app.faults import Faults
 from app.kv.link import LinkModel
-from bench.common import LocalApp, median, wait_http, write_outputs
+from bench.common import LocalApp, completion_journey, median, wait_http, write_outputs
 from tests.conftest import local_args, set_wan
 
 console = Console(width=150)
@@ -43,14 +42,6 @@ def bench_args(bandwidth_mbps: float, rtt_ms: float) -> dict:
     args["routing"] = {"max_wan_transfer_ms": 1e9}
     set_wan(args, bandwidth_mbps, rtt_ms)
     return args
-
-
-def run(app: LocalApp, prompt: list[int], mode: str | None = None) -> dict:
-    body = {"model": "pdd-dev", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    if mode:
-        body["pdd_mode"] = mode
-    out = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=600).json()
-    return httpx.get(f"{app.base_url}/pdd/requests/{out['id']}", timeout=30).json()
 
 
 def wan_transfer(journey: dict) -> dict:
@@ -88,12 +79,12 @@ def main() -> None:
                 turn1 = [rng.randrange(10, 500) for _ in range(L)]
                 keep = int(h * L)
                 turn2 = turn1[:keep] + [rng.randrange(10, 500) for _ in range(L - keep)]
-                run(app, turn1)  # MD and P now hold turn 1
+                completion_journey(app.base_url, turn1)  # MD and P now hold turn 1
                 before = wan_bytes()
-                ours = wan_transfer(run(app, turn2))
+                ours = wan_transfer(completion_journey(app.base_url, turn2))
                 ours_bytes = wan_bytes() - before
                 before = wan_bytes()
-                naive = wan_transfer(run(app, turn2, mode="pd_cross_dc_naive"))
+                naive = wan_transfer(completion_journey(app.base_url, turn2, mode="pd_cross_dc_naive"))
                 naive_bytes = wan_bytes() - before
                 minimum = (math.ceil(L / BLOCK) - keep // BLOCK) * block_bytes
                 rows.append({
