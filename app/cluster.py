@@ -151,6 +151,14 @@ def _record() -> Path:
     return state_dir() / "cluster.json"
 
 
+def recorded_address() -> str | None:
+    """The address of the cluster `up` last started on this machine, if any."""
+    try:
+        return json.loads(_record().read_text())["address"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def kill_node(cluster: LocalCluster, datacenter: str) -> int:
     """Stop one node the hard way, as if its machine died: its Ray daemons and every
     process they started (replicas, vLLM engines) at once."""

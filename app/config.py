@@ -156,6 +156,9 @@ class EngineConfig(_Strict):
     enforce_eager: bool = True
     """No graph capture: engine start ~30 s instead of ~70 s on CPU."""
     tensor_parallel_size: Annotated[int, Field(gt=0)] = 1
+    record_steps: bool = False
+    """Time each engine step and keep its shape (app/kv/steps.py), to fit the twin's
+    step model to steps taken while the app serves (app/sim/calibrate.py)."""
     extra: dict[str, Any] = {}
     """Any other `vllm.AsyncEngineArgs` field, passed through as is."""
 

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import socket
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,18 +79,20 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
             "connect_timeout_s": config.kv.connect_timeout_s,
             "transfer_timeout_s": config.kv.transfer_timeout_s,
             "owner_pid": owner_pid,
+            "record_steps": config.roles.get(role).engine.record_steps,
         },
     )
 
 
 class ConnectorState:
-    """What this engine's connector last reported: live leases, and pull reports by
-    request id until generate() takes them."""
+    """What this engine's connector last reported: live leases, pull reports by
+    request id until generate() takes them, and timed steps until taken."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = 10_000, step_capacity: int = 200_000):
         self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._capacity = capacity
         self.leases_live = 0
+        self.steps: deque[dict[str, Any]] = deque(maxlen=step_capacity)
 
     def put(self, report: dict[str, Any]) -> None:
         # the engine core knows vLLM's internal id: ours plus "-" and 8 random characters
@@ -116,6 +118,7 @@ def _connector_stats_logger(replica_id: str, state: ConnectorState):
             data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
             for report in data.get("transfers", ()):
                 state.put(report)
+            state.steps.extend(data.get("steps", ()))
             live = data.get("leases_live")
             if live is not None:
                 state.leases_live = int(live)
@@ -281,6 +284,13 @@ class EngineServer:
     async def expire_leases(self, target_replica: str | None = None) -> int:
         """Release this engine's KV leases now (fault injection; a stuck lease)."""
         return sum(await self.engine.collective_rpc("pdd_expire_leases"))
+
+    async def take_steps(self, clear: bool = True, target_replica: str | None = None) -> list[dict[str, Any]]:
+        """The engine's timed steps (`engine.record_steps`; else none) since the last clearing take."""
+        steps = list(self._connector.steps)
+        if clear:
+            self._connector.steps.clear()
+        return steps
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -11,19 +11,30 @@ client (official openai client, streaming). Each mode's trace, with the times
 requests really went out, is written to bench/out/pipelines_trace_MODE.jsonl for
 the twin to replay (bench/sim_vs_real.py).
 
+Before each mode's measured run, a calibration replay (another seed, as many
+requests unless `--calibration-requests` says otherwise: with 40, the engines
+stepped faster than in the 120-request run, whose WAN backlog and link
+emulation grow over time) serves that mode while every engine times its steps
+(`engine.record_steps`, app/kv/steps.py); they go to
+bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
+twin's step model: steps of the loaded app, taken minutes before the run it is
+checked against, none of them from that run. The measured run's own steps go
+to bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
+
 Two worst-case latency figures per request:
 - worst gap: the longest wait between two tokens after the first;
 - worst wait: the longest time the client waits for its next token, the first
   one included (max of TTFT and worst gap). Naive cross-DC PD hides its WAN
   transfer in TTFT, PDD in a relay: only this figure compares the two.
 
-    python bench/pipelines.py [--requests 120] [--rps 1.0] [--json out.json] [--gpu]
+    python bench/pipelines.py [--requests 120] [--rps 1.0] [--calibration-requests N] [--json out.json] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import time
@@ -36,6 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
+from app.sim.calibrate import take_app_steps
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
 from tests.conftest import local_args, set_wan
@@ -48,6 +60,18 @@ WAN = "dc-a->dc-b"
 def trace_path(mode: str) -> Path:
     """Where a mode's trace as sent is written."""
     return OUT_DIR / f"pipelines_trace_{mode}.jsonl"
+
+
+def steps_path(mode: str, run: str = "calibration") -> Path:
+    """Where the steps the engines timed during a mode's calibration replay (or its measured run) are written."""
+    return OUT_DIR / f"pipelines_steps_{mode}.json" if run == "calibration" else OUT_DIR / f"pipelines_steps_{mode}_{run}.json"
+
+
+def write_steps(path: Path) -> None:
+    """The steps the app's engines timed since the last take, by role."""
+    steps = take_app_steps("pipelines")
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()}}))
 
 
 def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
@@ -133,6 +157,16 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> t
     return LoadResult(mode, 0, time.perf_counter() - t0, [r for r in records if r is not None]), ids, [r for r in sent if r is not None]
 
 
+def calibrate(base_url: str, mode: str, requests: int, rps: float, seed: int) -> None:
+    """Serve `mode` a calibration trace from cold caches; write the steps the engines timed."""
+    from ray import serve
+
+    serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
+    take_app_steps("pipelines")
+    asyncio.run(replay(base_url, list(workload(requests, rps, seed).generate()), mode, seed))
+    write_steps(steps_path(mode))
+
+
 def worst_wait_ms(result: LoadResult, q: float) -> float:
     return percentile([max(r.ttft_s, r.max_gap_s) for r in result.ok], q) * 1000
 
@@ -145,7 +179,7 @@ def gpu_args(args: dict) -> dict:
     for group in args["node_groups"].values():
         group.update(num_gpus=0.3, accelerator="H200")
     for role in args["roles"].values():
-        role["engine"] = {"gpu_memory_utilization": 0.28, "max_num_seqs": 64}
+        role["engine"] = {"gpu_memory_utilization": 0.28, "max_num_seqs": 64, "record_steps": True}
     set_wan(args, 10_000, 30, jitter=True)  # 8B KV is 128 KiB/token: 10 Gbit/s is the WAN share
     return args
 
@@ -154,6 +188,8 @@ def bench_args(gpu: bool = False) -> dict:
     """The app config this benchmark serves (bench/sim_vs_real.py simulates the same)."""
     args = local_args()
     args["model"]["max_model_len"] = 8192
+    for role in args["roles"].values():
+        role.setdefault("engine", {})["record_steps"] = True
     return gpu_args(args) if gpu else args
 
 
@@ -162,10 +198,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--rps", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--calibration-requests", type=int, default=None,
+                    help="requests of the calibration replay before each mode's run (default: as many as --requests; 0: none)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
+    if a.calibration_requests is None:
+        a.calibration_requests = a.requests
     modes = a.modes.split(",")
 
     args = bench_args(a.gpu)
@@ -185,10 +225,17 @@ def main() -> None:
 
         conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
         for mode in modes:
+            if a.calibration_requests:
+                console.print(f"[bold]{mode}[/bold], calibration replay")
+                calibrate(app.base_url, mode, a.calibration_requests, a.rps, a.seed + 1000)
+            else:
+                steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
+            take_app_steps("pipelines")  # the run's own steps start now
             conductor.reset_prefix_caches.remote().result()
             before = Faults("pipelines").link_counters(WAN)["bytes_down"]
             console.print(f"[bold]{mode}[/bold]")
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
+            write_steps(steps_path(mode, "run"))
             results[mode] = result
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             write_trace(trace_path(mode), sorted(sent))

@@ -1,11 +1,21 @@
 """The calibrated digital twin against bench/pipelines.py's real runs, same traces.
 
-1. Calibrate (app/sim/calibrate.py): a real vLLM engine with bench/pipelines.py's
-   config measures prefill and decode steps on this machine; the twin's
-   step-time model is fitted to them (`--perf FILE` reuses a fitted model).
+1. Calibrate (app/sim/calibrate.py). A real vLLM engine with
+   bench/pipelines.py's config is measured alone, now, and the twin's
+   step-time model fitted to it (`--base FILE` reuses one). By default that
+   model is then scaled per role and mode to the loaded app (`scale_to_steps`):
+   before each mode's measured run, bench/pipelines.py served that mode a
+   calibration trace (another seed) and every engine timed its steps
+   (bench/out/pipelines_steps_MODE.json). On this 2-vCPU machine, engines
+   sharing it step up to ~1.7x slower than alone, more in pdd (three engines
+   and the link emulators) than in colocated (one), and the twin models no CPU
+   sharing: the steps of the loaded app carry it. `--calibration idle` keeps
+   the model of the engine alone; `--calibration run` scales it to the steps of
+   the very run compared (in-sample, a diagnosis: what is left when the step
+   times are right is the twin's own); `--perf FILE` uses a saved model as is.
 2. Replay each mode's trace (bench/out/pipelines_trace_MODE.jsonl: its requests,
    at the times they really went out) through the twin with the same config
-   (links, routing, handoff, replicas) and the fitted model on every node group.
+   (links, routing, handoff, replicas) and that mode's models.
 3. Compare per-request figures with the real run (bench/out/pipelines.csv):
    TTFT p50/p90/p99, TPOT p50, worst gap p99, WAN bytes and the pipeline mix.
    Goal: pdd's TTFT p50 and p90 within 20%, at the conductor.
@@ -24,13 +34,14 @@ journeys), so the client-side share (HTTP, Serve's proxy) is visible.
 
 Run bench/pipelines.py first (`--modes colocated,pdd` is enough).
 
-    python bench/sim_vs_real.py [--perf bench/out/fitted_perf.json] [--json out.json]
+    python bench/sim_vs_real.py [--calibration app|idle|run] [--base FILE] [--perf FILE] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 from collections import Counter
@@ -41,18 +52,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app.config import Mode, parse_config
-from app.sim.calibrate import calibrate, with_model_spec
+from app.config import Mode, RoleName, parse_config
+from app.sim.calibrate import calibrate, scale_to_steps, with_model_spec
 from app.sim.cluster import derive
-from app.sim.perf import FittedPerf, save_samples
+from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
 from app.sim.workload import read_trace
 from bench.common import OUT_DIR, percentile, write_outputs
-from bench.pipelines import bench_args, trace_path
+from bench.pipelines import bench_args, steps_path, trace_path
 
 console = Console(width=160)
 REAL = OUT_DIR / "pipelines.csv"
 FITTED = OUT_DIR / "fitted_perf.json"
+
+
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> dict[str, FittedPerf]:
+    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py."""
+    path = steps_path(mode.value, run)
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
+    doc = json.loads(path.read_text())
+    scaled = scale_to_steps(base, {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()})
+    if short := [role for role, (_, factor) in scaled.items() if factor is None]:
+        raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
+    return {role: model for role, (model, _) in scaled.items()}
 FIGURES = (("server_ttft_p50", "TTFT p50 ms, conductor"), ("server_ttft_p90", "TTFT p90 ms, conductor"),
            ("server_ttft_p99", "TTFT p99 ms, conductor"), ("ttft_p50", "TTFT p50 ms, client"), ("ttft_p90", "TTFT p90 ms, client"),
            ("ttft_p99", "TTFT p99 ms, client"), ("tpot_p50", "TPOT p50 ms"), ("gap_p99", "worst gap p99 ms"), ("wan_mb", "WAN MB"))
@@ -90,7 +113,12 @@ def _number(value: str | None) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--perf", type=Path, help="fitted step-time model JSON (default: calibrate now)")
+    ap.add_argument("--calibration", choices=("app", "idle", "run"), default="app",
+                    help="app: the engine-alone model scaled per role to the steps bench/pipelines.py timed in each mode's calibration "
+                         "replay; idle: the engine-alone model; run: scaled to the steps of the very run compared (in-sample: what "
+                         "is left when the step times are right)")
+    ap.add_argument("--base", type=Path, help="the engine-alone model JSON (default: measure a real engine now)")
+    ap.add_argument("--perf", type=Path, help="a step-time model JSON used as is for every mode (app/sim/perf.py load_perf)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the twin's link draws")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -102,24 +130,38 @@ def main() -> None:
         raise SystemExit(f"{trace_path(Mode.pdd.value)} is missing: run `python bench/pipelines.py --modes colocated,pdd` first")
 
     base = with_model_spec(parse_config(bench_args()))
+    perfs: dict[Mode, FittedPerf | dict[str, FittedPerf]] = {}
     if a.perf is not None:
-        perf = FittedPerf.from_json(a.perf.read_text())
-        console.print(f"fitted model from {a.perf}")
+        perfs = dict.fromkeys(modes, load_perf(a.perf))
+        console.print(f"model from {a.perf}")
     else:
-        with console.status("calibrating a real engine") as status:
-            perf, samples = calibrate(derive(base, mode=Mode.pdd), progress=lambda msg: status.update(f"calibrating: {msg}"))
-        OUT_DIR.mkdir(parents=True, exist_ok=True)
-        FITTED.write_text(perf.to_json())
-        save_samples(OUT_DIR / "calibration_samples.json", samples)
-        console.print(f"calibrated on {len(samples)} measured steps; wrote {FITTED}")
-    console.print(perf.describe())
+        if a.base is not None:
+            alone = FittedPerf.from_json(a.base.read_text())
+            console.print(f"engine-alone model from {a.base}")
+        else:
+            with console.status("calibrating a real engine") as status:
+                alone, samples = calibrate(derive(base, mode=Mode.pdd), progress=lambda msg: status.update(f"calibrating: {msg}"))
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            FITTED.write_text(alone.to_json())
+            save_samples(OUT_DIR / "calibration_samples.json", samples)
+            console.print(f"calibrated on {len(samples)} steps of an engine alone; wrote {FITTED}")
+        console.print(alone.describe())
+        perfs = dict.fromkeys(modes, alone)
+        if a.calibration in ("app", "run"):
+            perfs = {mode: app_models(alone, mode, "calibration" if a.calibration == "app" else "run") for mode in modes}
+            for mode, models in perfs.items():
+                (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
+            source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
+            console.print(f"scaled per role to the engines' steps in each mode's {source}: " + "; ".join(
+                f"{mode.value} " + ", ".join(f"{role} {m.step_s(1, 1, 1, 1) / alone.step_s(1, 1, 1, 1):.2f}x" for role, m in models.items())
+                for mode, models in perfs.items()) + f" (wrote {OUT_DIR}/fitted_perf_MODE.json)")
 
     real: dict[str, dict] = {}
     twin: dict[str, dict] = {}
     ttfts: dict[str, tuple[list[float], list[float]]] = {}
     for mode in modes:
         mine = rows[mode.value]
-        sim = simulate(derive(base, mode=mode), list(read_trace(trace_path(mode.value))), perf, a.seed).records()
+        sim = simulate(derive(base, mode=mode), list(read_trace(trace_path(mode.value))), perfs[mode], a.seed).records()
         real_ttft = [float(r["ttft_ms"]) for r in mine]
         server = [x for r in mine if (x := _number(r.get("server_ttft_ms"))) is not None]
         real[mode.value] = figures(real_ttft, server, [x for r in mine if (x := _number(r["tpot_ms"])) is not None],
@@ -132,7 +174,8 @@ def main() -> None:
         ttfts[mode.value] = (server, twin_ttft)
     rel = {mode: {k: twin[mode][k] / real[mode][k] - 1 for k, _ in FIGURES if real[mode][k]} for mode in real}
 
-    table = Table(title=f"twin vs real, same traces as bench/pipelines.py's run (twin: calibrated CPU step model)")
+    calibration = "--perf" if a.perf is not None else a.calibration
+    table = Table(title=f"twin vs real, same traces as bench/pipelines.py's run (twin: CPU step models, calibration: {calibration})")
     for col in ("mode", "figure", "real", "twin", "twin / real - 1"):
         table.add_column(col, justify="right")
     for mode in real:
@@ -166,7 +209,8 @@ def main() -> None:
 
     summary = {"real": real, "twin": twin, "ttft_p50_rel_err": abs(pdd["server_ttft_p50"]), "ttft_p90_rel_err": abs(pdd["server_ttft_p90"]),
                "client_ttft_p50_rel_err": abs(pdd["ttft_p50"]), "client_ttft_p90_rel_err": abs(pdd["ttft_p90"]),
-               "rel": rel, "perf": perf.__dict__, "goal_met": ok}
+               "rel": rel, "calibration": calibration, "goal_met": ok,
+               "perf": {mode.value: ({r: m.__dict__ for r, m in p.items()} if isinstance(p, dict) else p.__dict__) for mode, p in perfs.items()}}
     out_rows = [{"mode": mode, "figure": k, "real": real[mode][k], "twin": twin[mode][k], "rel": rel[mode].get(k)}
                 for mode in real for k, _ in FIGURES]
     csv_path = write_outputs("sim_vs_real", out_rows, summary, a.json_path, plot)

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from app.kv.params import LEASE, PRODUCE, PULL
+from app.kv.steps import StepClock
 from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullResult, PullSpec, pull_blocks
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class ConnectorSettings:
     transfer_timeout_s: float
     owner_pid: int | None
     """The Serve replica owning this engine: the engine exits when it is gone."""
+    record_steps: bool = False
+    """Time every engine step (app/kv/steps.py) and report it with the connector's stats."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -75,6 +78,7 @@ class ConnectorSettings:
             connect_timeout_s=float(extra.get("connect_timeout_s", 5.0)),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 120.0)),
             owner_pid=int(extra["owner_pid"]) if extra.get("owner_pid") else None,
+            record_steps=bool(extra.get("record_steps", False)),
         )
 
 
@@ -120,14 +124,15 @@ class PDDWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class PDDConnectorStats(KVConnectorStats):
-    """`leases_live` (gauge: latest wins) and `transfers` (pull reports: concatenated)."""
+    """`leases_live` (gauge: latest wins); `transfers` (pull reports) and `steps` (timed steps): concatenated."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = {**self.data, **other.data}
-        merged["transfers"] = list(self.data.get("transfers", [])) + list(other.data.get("transfers", []))
+        for key in ("transfers", "steps"):
+            merged[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
         return PDDConnectorStats(merged)
 
     def reduce(self) -> dict[str, int | float]:
@@ -157,6 +162,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._pull_planned: set[str] = set()
         self._reports: list[dict[str, Any]] = []
         self._leases_live: set[str] = set()
+        self._step_clock = StepClock() if self._settings.record_steps else None
         # worker side
         self._layout: KVLayout | None = None
         self._leases = LeaseTable()
@@ -209,6 +215,8 @@ class PDDConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self._step_clock is not None:
+            self._step_clock.scheduled(scheduler_output)
         meta = PDDConnectorMetadata(self._new_leases, self._new_pulls)
         self._new_leases, self._new_pulls = [], []
         return meta
@@ -230,6 +238,8 @@ class PDDConnector(KVConnectorBase_V1):
 
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        if self._step_clock is not None:
+            self._step_clock.finished(rid)
         if PULL in params:
             if rid not in self._pull_planned:  # aborted before scheduling: release the lease
                 self._new_pulls.append(self._pull_spec(rid, params[PULL], [], []))
@@ -259,8 +269,12 @@ class PDDConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role is not KVConnectorRole.SCHEDULER:
             return None
+        steps = []
+        if self._step_clock is not None:  # vLLM asks at the end of each step's output processing
+            self._step_clock.processed()
+            steps = self._step_clock.take()
         reports, self._reports = self._reports, []
-        return PDDConnectorStats({"leases_live": len(self._leases_live), "transfers": reports})
+        return PDDConnectorStats({"leases_live": len(self._leases_live), "transfers": reports, "steps": steps})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

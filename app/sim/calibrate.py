@@ -21,6 +21,17 @@ Every prompt starts with a token no other prompt of the run starts with, so the
 prefix cache hits only where a sample sends a prefix again on purpose. `pdd calibrate CONFIG` writes the fitted model (for
 `pdd sim --perf`) and the samples.
 
+Steps of an idle engine run faster than the same steps while the app serves,
+where the other engines, the conductor, the link emulators and the clients
+share the host. So a second step sets the level from steps timed inside the
+serving engines (`engine.record_steps`, app/kv/steps.py): `take_app_steps`
+collects them from a running app, and `scale_to_steps` scales the model of the
+engine measured alone, one factor per role (engines of one host slow each
+other down unevenly), so that it sums to the time the role's steps took. The
+shape stays the one measured alone: served traffic covers few batch shapes
+(one or two decoding sequences, short prefills on the decoders), and a model
+fitted to those alone put the relay's prefill at 3 ms a token.
+
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
 """
@@ -29,9 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from app.config import ModelSpec, PDDConfig, RoleName
@@ -47,6 +59,8 @@ PREFIX_SHAPES = ((2048, 64), (4096, 64), (6144, 256), (4096, 1024), (2048, 2048)
 DECODE_SHAPES = ((1, 256), (1, 4096), (4, 256), (4, 2048), (8, 1024), (16, 512), (16, 2048))
 DECODE_TOKENS = 48
 REPEATS = 2
+#: Fewest timed steps a role's factor is taken from (`scale_to_steps`).
+MIN_APP_STEPS = 20
 
 
 def model_spec_from_folder(folder: str | Path, dtype: str = "auto") -> ModelSpec:
@@ -174,3 +188,48 @@ async def measure(
 def calibrate(config: PDDConfig, role: RoleName = RoleName.prefill, **kw) -> tuple[FittedPerf, list[StepSample]]:
     samples = asyncio.run(measure(config, role, **kw))
     return fit_from_samples(samples), samples
+
+
+def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[StepSample]]:
+    """The steps every engine of a running app timed since the last clearing take,
+    by role (empty where `roles.ROLE.engine.record_steps` is off); `clear=False`
+    leaves them for the next take. Call from a Ray driver attached to the app's cluster."""
+    from ray import serve
+
+    from app.faults import Faults
+    from app.roles import DEPLOYMENT_NAMES
+
+    faults = Faults(app_name)
+    steps: dict[RoleName, list[StepSample]] = {}
+    for role, deployment in DEPLOYMENT_NAMES.items():
+        replicas = faults.replicas(deployment)
+        if not replicas:
+            continue
+        handle = serve.get_deployment_handle(deployment, app_name=app_name)
+        taken = [handle.take_steps.remote(clear, target_replica=name.rsplit("#", 1)[-1]) for name in replicas]
+        steps[role] = [StepSample(**s) for call in taken for s in call.result()]
+    return steps
+
+
+def scale_to_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
+                   min_steps: int = MIN_APP_STEPS) -> dict[str, tuple[FittedPerf, float | None]]:
+    """`base` scaled per role to the steps that role's engines took, with the
+    factor (keyed by role name, as the twin's `perf` takes the models): the
+    steps' measured time over the time `base` gives them. A role with fewer
+    than `min_steps` steps keeps `base` (factor None); one with none is left
+    out (it did not serve)."""
+    scaled: dict[str, tuple[FittedPerf, float | None]] = {}
+    for role, samples in steps.items():
+        if not samples:
+            continue
+        if len(samples) < min_steps:
+            scaled[role.value] = (base, None)
+            continue
+        measured = math.fsum(s.step_ms for s in samples)
+        modelled = math.fsum(base.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) for s in samples) * 1000
+        if modelled <= 0:
+            raise ValueError("the base model gives these steps no time: calibrate it on a real engine first")
+        scaled[role.value] = (base.scaled(measured / modelled), measured / modelled)
+    if not scaled:
+        raise ValueError("no engine timed a step: set roles.ROLE.engine.record_steps and send traffic first")
+    return scaled

@@ -8,6 +8,9 @@
 
 `pdd calibrate CONFIG` measures a real engine of CONFIG on this machine and
 writes the fitted step-time model `--perf` reads (app/sim/calibrate.py).
+`pdd calibrate CONFIG --from-app pdd` then scales that model per role to the
+steps the engines of the running app timed while serving (roles with
+`engine.record_steps`): steps run slower where engines share a host.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rich.console import Console
 from app.config import ConfigError, Mode, PDDConfig, RoleName, load_config
 from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive
+from app.sim.perf import FittedPerf
 from app.sim.report import Summary, plot_bathtub, plot_ttft_cdf, summary_table
 from app.sim.run import SimRun, Workload, agentic_at, goodput_search, hit_sweep, scaled, simulate
 from app.sim.workload import AgenticWorkload, read_trace
@@ -63,7 +67,7 @@ def sim(
     seed: int = typer.Option(0, help="Seed of the workload and the link draws"),
     mode: Mode | None = typer.Option(None, help="Simulate this mode instead of the config's"),
     compare: list[Mode] = typer.Option([], help="Also simulate these modes on the same workload (repeatable)"),
-    perf: Path | None = typer.Option(None, help="Fitted perf model JSON (app/sim/perf.py) for every node group"),
+    perf: Path | None = typer.Option(None, help="Fitted perf model JSON (app/sim/perf.py `load_perf`): one for every role, or one per role"),
     warmup: float = typer.Option(0.1, help="Share of the run's start left out of the figures (caches fill)"),
     search: bool = typer.Option(False, help="Also search the highest RPS meeting the SLO (bisection)"),
     sweep_hit: bool = typer.Option(False, "--sweep-hit", help="Also sweep the hit rate and plot the benefit (bathtub)"),
@@ -80,9 +84,9 @@ def sim(
         template, wl = _workload(workload, rps, requests, seed)
         perf_model = None
         if perf is not None:
-            from app.sim.perf import FittedPerf
+            from app.sim.perf import load_perf
 
-            perf_model = FittedPerf.from_json(perf.read_text())
+            perf_model = load_perf(perf)
             configs = [with_model_spec(c) for c in configs]
         if template is None:
             wl = list(read_trace(wl))
@@ -149,26 +153,74 @@ cli.command("sim")(sim)
 def calibrate(
     config_path: Path = typer.Argument(..., help="Serve config YAML whose engine is measured"),
     role: RoleName = typer.Option(RoleName.prefill, help="Role whose engine arguments are used"),
-    out: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="Fitted model JSON (for `pdd sim --perf`)"),
+    from_app: str | None = typer.Option(None, "--from-app", help="Instead, scale --base per role to the steps this running Serve app's engines timed (engine.record_steps)"),
+    base: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="With --from-app: the model of an engine measured alone (`pdd calibrate CONFIG`)"),
+    address: str | None = typer.Option(None, help="With --from-app: its Ray cluster (default: the one `pdd run` started)"),
+    out: Path | None = typer.Option(None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
-    """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model."""
+    """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
+    with --from-app, scale that model per role to the steps a running app's engines timed while serving."""
     from app.sim.calibrate import calibrate as fit
-    from app.sim.perf import save_samples
+    from app.sim.perf import load_perf, roles_to_json, save_samples
 
     try:
         config = load_config(config_path)
-        with console.status("calibrating") as status:
-            perf, samples = fit(config, role, progress=lambda msg: status.update(f"calibrating: {msg}"))
-    except (ConfigError, ValueError, KeyError, OSError) as err:
+        if from_app is not None:
+            out = out or base.with_name("fitted_perf_app.json")
+            if not any(rc.engine.record_steps for rc in config.roles.present().values()):
+                raise ValueError("no role of the config has engine.record_steps: set it (and redeploy) so the engines time their steps")
+            if not base.exists():
+                raise ValueError(f"--base {base} is missing: measure an engine alone first (`pdd calibrate {config_path}`)")
+            base_model = load_perf(base)
+            if not isinstance(base_model, FittedPerf):
+                raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
+            scaled, samples = _scale_from_app(base_model, from_app, address)
+            text = roles_to_json({role: model for role, (model, _) in scaled.items()})
+            summary = "\n".join(
+                f"{role}: {len(samples[role])} timed steps, {factor:.2f}x the engine alone" if factor is not None else
+                f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
+                for role, (_, factor) in scaled.items())
+            samples = [s for samples_of in samples.values() for s in samples_of]
+        else:
+            out = out or Path("bench/out/fitted_perf.json")
+            with console.status("calibrating") as status:
+                perf, samples = fit(config, role, progress=lambda msg: status.update(f"calibrating: {msg}"))
+            text, summary = perf.to_json(), f"{len(samples)} steps measured: {perf.describe()}"
+    except (ConfigError, ValueError, KeyError, OSError, ConnectionError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(perf.to_json())
+    out.write_text(text)
     if samples_path is not None:
         save_samples(samples_path, samples)
-    console.print(f"{len(samples)} steps measured: {perf.describe()}")
+    console.print(summary)
     console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
+
+
+def _scale_from_app(base: FittedPerf, app_name: str, address: str | None):
+    """`base` scaled per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
+    import os
+
+    from app.cluster import CLUSTER_ENV, recorded_address
+
+    os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
+    import ray
+
+    from app.sim.calibrate import scale_to_steps, take_app_steps
+
+    address = address or recorded_address()
+    if address is None:
+        raise ConnectionError("no Ray cluster recorded by `pdd run` on this machine: pass --address")
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        steps = take_app_steps(app_name, clear=False)
+    finally:
+        ray.shutdown()
+    if not steps:
+        raise ValueError(f"no engine replica of Serve app {app_name!r} is running on {address}")
+    return scale_to_steps(base, steps), {role.value: samples for role, samples in steps.items()}
+
 
 if __name__ == "__main__":
     cli()

@@ -1,9 +1,12 @@
 """The simulated cluster a config describes: replicas per role, links, cost.
 
-Perf model per node group: a fitted model when one is given (for every group,
-or by node-group name), else the roofline from the group's `spec` and
-`model.spec`. KV capacity per replica: with a spec, the replica's memory
-(`memory_gib` x accelerators x `gpu_memory_utilization`) less the weights;
+Perf model per role: a fitted model when one is given (for every role, or by
+role name, or by node-group name, in that order), else the roofline from the
+role's node group's `spec` and `model.spec`. Models by role come from steps
+timed in the serving app (app/sim/calibrate.py `scale_to_steps`): engines
+sharing a host slow each other down unevenly. KV capacity per replica: with a
+spec, the replica's memory (`memory_gib` x accelerators x
+`gpu_memory_utilization`) less the weights;
 without one, the role's `engine.kv_cache_gib` (the CPU engines' setting).
 """
 
@@ -56,8 +59,10 @@ def role_perf(config: PDDConfig, role: RoleName, perf: PerfArg) -> PerfModel:
     rc = config.roles.get(role)
     if perf is not None and not isinstance(perf, Mapping):
         return perf
-    if isinstance(perf, Mapping) and rc.node_group in perf:
-        return perf[rc.node_group]
+    if isinstance(perf, Mapping):
+        for key in (role.value, rc.node_group):
+            if key in perf:
+                return perf[key]
     spec = config.node_groups[rc.node_group].spec
     if spec is None:
         raise SimConfigError(f"node_groups.{rc.node_group}.spec: needed for the roofline (or pass a fitted perf model)")

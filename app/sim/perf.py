@@ -28,6 +28,8 @@ chunk itself), `attention_pairs` the (query, key) token pairs it computed
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
 "d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ...}`
 (`FittedPerf.to_json` / `from_json`; a model saved without `e` reads as e = 0).
+Models fitted per role save as `{"roles": {"prefill": {"a_ms": ...}, ...}}`
+(`roles_to_json`); `load_perf` reads either form.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ class FittedPerf:
         p1 = per_token * n / 1000
         return p0, p1, p0, p1
 
+    def scaled(self, factor: float) -> "FittedPerf":
+        """Every step `factor` times as long."""
+        return FittedPerf(*(factor * v for v in self.__dict__.values()))
+
     def describe(self) -> str:
         return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
                 f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
@@ -135,6 +141,21 @@ def chunk_attention_pairs(tokens: int, cached: int) -> float:
     tokens: each token attends to the context and to the chunk up to itself
     (app/sim/engine.py inlines the same sum on its hot path)."""
     return tokens * cached + tokens * (tokens + 1) / 2
+
+
+def roles_to_json(models: Mapping[str, FittedPerf]) -> str:
+    return json.dumps({"roles": {role: model.__dict__ for role, model in models.items()}}, indent=2)
+
+
+def load_perf(path: str | Path) -> "FittedPerf | dict[str, FittedPerf]":
+    """A saved fitted model: one for every role, or one per role (keyed by role name)."""
+    doc = json.loads(Path(path).read_text())
+    try:
+        if "roles" in doc:
+            return {role: FittedPerf(**model) for role, model in doc["roles"].items()}
+        return FittedPerf(**doc)
+    except TypeError as err:
+        raise ValueError(f"{path}: not a fitted perf model ({err})") from None
 
 
 def load_samples(path: str | Path) -> list[StepSample]:

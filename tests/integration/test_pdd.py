@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 
 import openai
 import pytest
 
+from app.config import RoleName
 from app.faults import Faults
+from app.sim.calibrate import take_app_steps
+from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
 
@@ -25,6 +29,8 @@ OUT = 1600
 def app(serve_instance):
     args = local_args()
     args["roles"]["main_decode"]["replicas"] = 2
+    for role in args["roles"].values():
+        role["engine"]["record_steps"] = True
     set_wan(args, 40, 20)
     deployed = deploy_app(serve_instance, "pdd", args)
     yield deployed
@@ -194,3 +200,39 @@ def test_conversations_stick_to_one_md_and_md_keeps_up_with_p(app):
     p_rate, md_rate = p_hit / prompt_total, md_hit / prompt_total
     assert p_rate > 0.5
     assert md_rate >= 0.95 * p_rate, (md_rate, p_rate)
+
+
+def _steps_until(app, done, timeout_s: float = 10.0) -> dict:
+    """Engines' timed steps (taken from every replica) until `done(steps)`: a step's
+    report travels with the engine's stats, a moment after its outputs."""
+    import time
+
+    steps = {role: [] for role in RoleName}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for role, samples in take_app_steps(app.name).items():
+            steps[role] += samples
+        if done(steps) or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.2)
+
+
+def test_engines_time_their_steps_in_the_twins_terms(app):
+    """`engine.record_steps`: the steps vLLM really ran, counted as the twin counts them."""
+    _steps_until(app, lambda steps: False, timeout_s=1.0)  # earlier tests' steps
+    completion(app, fresh(700), 6, mode="colocated")
+    # one prefill step, then one decode step per token but the first
+    want = Counter([(700, 0, 700, chunk_attention_pairs(700, 0))] + [(0, 1, 700 + k, 700 + k) for k in range(1, 6)])
+
+    def shapes(steps):
+        return Counter((s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) for s in steps[RoleName.main_decode])
+
+    steps = _steps_until(app, lambda steps: want <= shapes(steps))
+    assert want <= shapes(steps), shapes(steps)
+    assert all(0 < s.step_ms < 10_000 for s in steps[RoleName.main_decode])
+    assert not steps[RoleName.prefill] and not steps[RoleName.relay_decode]
+
+    completion(app, fresh(900), 4, mode="pdd")
+    steps = _steps_until(app, lambda steps: any(s.prefill_tokens == 900 for s in steps[RoleName.prefill]))
+    # P's one step ends its request: it is timed at once, not when P next works
+    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read) for s in steps[RoleName.prefill]] == [(900, 0, 900)]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
+import pytest
+import yaml
 from typer.testing import CliRunner
 
 from app.cli import main as pdd
-from app.config import load_config
+from app.config import RoleName, load_config
 from app.devmodel import ensure_devmodel
-from app.sim.calibrate import _Prompts, model_spec_from_folder, with_model_spec
+from app.sim.calibrate import _Prompts, model_spec_from_folder, scale_to_steps, with_model_spec
+from app.sim.perf import FittedPerf, StepSample
 
 LOCAL = "serve_configs/local.yaml"
 
@@ -54,3 +59,53 @@ def test_pdd_sim_runs_the_cpu_config_with_a_fitted_model(tmp_path):
     assert result.exit_code == 0, result.output
     run = json.loads(out.read_text())["runs"]["pdd"]
     assert run["requests"] > 0 and run["ttft_s"][0] > 0.005  # at least the fitted step overhead
+
+
+ALONE = FittedPerf(2.0, 0.05, 0.1, 0.0005, 2e-5)
+
+
+def _steps(slowdown: float, count: int) -> list[StepSample]:
+    """Steps of assorted shapes, `slowdown` times as long as ALONE gives them, give or take 30%."""
+    out = []
+    for i in range(count):
+        p, n, k = (0, 300, 1200)[i % 3], 1 + i % 4, 500 + 100 * i
+        pairs = p * (p + 1) / 2 + n * k
+        out.append(StepSample(p, n, n * k + p, ALONE.step_s(p, n, n * k + p, pairs) * 1000 * slowdown * (0.7, 1.3)[i % 2], pairs))
+    return out
+
+
+def test_each_role_gets_the_model_alone_scaled_to_the_time_its_steps_took():
+    scaled = scale_to_steps(ALONE, {RoleName.prefill: [], RoleName.relay_decode: _steps(1.7, 40), RoleName.main_decode: _steps(1.2, 40)})
+    assert set(scaled) == {"relay_decode", "main_decode"}  # prefill took no step: not serving in this mode
+    models = {role: model for role, (model, _) in scaled.items()}
+    for role, slowdown in (("relay_decode", 1.7), ("main_decode", 1.2)):
+        steps = _steps(slowdown, 40)
+        total = math.fsum(models[role].step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) * 1000 for s in steps)
+        assert total == pytest.approx(math.fsum(s.step_ms for s in steps), rel=1e-9)
+        factor = scaled[role][1]
+        assert factor == pytest.approx(slowdown, rel=0.1)  # the +-30% scatter averages out
+        assert models[role].__dict__ == pytest.approx(ALONE.scaled(factor).__dict__)  # the shape is the engine alone's
+
+
+def test_a_role_with_too_few_steps_keeps_the_model_alone_and_none_at_all_say_what_to_switch_on():
+    scaled = scale_to_steps(ALONE, {RoleName.main_decode: _steps(2.0, 30), RoleName.relay_decode: _steps(2.0, 5)})
+    assert scaled["relay_decode"] == (ALONE, None)
+    assert scaled["main_decode"][1] == pytest.approx(2.0, rel=0.1)
+    with pytest.raises(ValueError, match="record_steps"):
+        scale_to_steps(ALONE, {RoleName.main_decode: []})
+
+
+def test_calibrating_from_an_app_says_what_is_missing(tmp_path):
+    result = CliRunner().invoke(pdd, ["calibrate", LOCAL, "--from-app", "pdd"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "engine.record_steps" in result.output, result.output
+    doc = yaml.safe_load(Path(LOCAL).read_text())
+    for role in doc["applications"][0]["args"]["roles"].values():
+        role["engine"]["record_steps"] = True
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(pdd, ["calibrate", str(config), "--from-app", "pdd", "--base", str(tmp_path / "none.json")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "measure an engine alone first" in result.output, result.output
+    (tmp_path / "alone.json").write_text(ALONE.to_json())
+    result = CliRunner().invoke(pdd, ["calibrate", str(config), "--from-app", "pdd", "--base", str(tmp_path / "alone.json")],
+                                env={"COLUMNS": "200", "PDD_CACHE_DIR": str(tmp_path)})
+    assert result.exit_code == 2 and "pass --address" in result.output, result.output

@@ -12,7 +12,8 @@ from app.config import AcceleratorSpec, LinkConfig, ModelSpec
 from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.events import Loop
 from app.sim.network import Link
-from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_samples, save_samples
+from app.sim.perf import (DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json,
+                          save_samples)
 
 ACC = AcceleratorSpec(peak_tflops=100, memory_bandwidth_gbps=1000, memory_gib=80)
 MODEL = ModelSpec(active_params_b=1, total_params_b=4, weight_bytes_per_param=2, kv_bytes_per_token=1000,
@@ -135,6 +136,19 @@ def test_samples_and_model_json_roundtrip(tmp_path):
     assert load_samples(path) == samples
     fitted = fit_from_samples(load_samples(path))
     assert FittedPerf.from_json(fitted.to_json()) == fitted
+    (tmp_path / "one.json").write_text(fitted.to_json())
+    assert load_perf(tmp_path / "one.json") == fitted
+    roles = {"prefill": fitted, "main_decode": fitted.scaled(1.5)}
+    assert roles["main_decode"].step_s(100, 4, 1000, 9000) == pytest.approx(1.5 * fitted.step_s(100, 4, 1000, 9000), rel=1e-12)
+    (tmp_path / "roles.json").write_text(roles_to_json(roles))
+    assert load_perf(tmp_path / "roles.json") == roles
+
+
+def test_a_file_that_is_no_fitted_model_is_named(tmp_path):
+    path = tmp_path / "samples.json"
+    path.write_text('{"a_ms": 1.0, "steps": []}')
+    with pytest.raises(ValueError, match="samples.json: not a fitted perf model"):
+        load_perf(path)
 
 
 def test_fitted_decode_lines_match_its_steps():

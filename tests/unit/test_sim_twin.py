@@ -16,6 +16,7 @@ import app.sim.twin
 from app.config import Mode, PDDConfig
 from app.policy import Pipeline
 from app.sim import simulate
+from app.sim.perf import FittedPerf
 from app.sim.routing import KeyChain
 from app.sim.workload import AgenticWorkload, Request
 
@@ -92,6 +93,15 @@ def test_colocated_one_request_by_hand():
     # the three decode steps attend to 1001, 1002, 1003 tokens
     assert r.tpot_s == pytest.approx((decode_s(1001) + decode_s(1002) + decode_s(1003)) / 3, rel=1e-12)
     assert r.max_gap_s == pytest.approx(decode_s(1003), rel=1e-12)
+
+
+def test_models_by_role_come_before_models_by_node_group():
+    """A model fitted to one role's engine applies to that role alone (its host-mates get theirs)."""
+    prefill_model, group_a, group_b = FittedPerf(50.0, 0, 0, 0), FittedPerf(7.0, 0, 0, 0), FittedPerf(3.0, 0, 0, 0)
+    r = only(simulate(tiny_config("pdd"), [Request(0.0, "s", 100, 0, 1)], {"prefill": prefill_model, "a": group_a, "b": group_b}))
+    assert r.ttft_s == pytest.approx(0.050, rel=1e-9)  # one prefill step on P: the role's model, not group a's
+    r = only(simulate(tiny_config("colocated"), [Request(0.0, "s", 100, 0, 3)], {"prefill": prefill_model, "a": group_a, "b": group_b}))
+    assert (r.ttft_s, r.tpot_s) == (pytest.approx(0.003), pytest.approx(0.003))  # colocated serves on main decode: group b
 
 
 def test_chunked_prefill_by_hand():
