@@ -64,7 +64,7 @@ def trace_path(mode: str) -> Path:
 
 def steps_path(mode: str, run: str = "calibration") -> Path:
     """Where the steps the engines timed during a mode's calibration replay (or its measured run) are written."""
-    return OUT_DIR / f"pipelines_steps_{mode}.json" if run == "calibration" else OUT_DIR / f"pipelines_steps_{mode}_{run}.json"
+    return OUT_DIR / (f"pipelines_steps_{mode}.json" if run == "calibration" else f"pipelines_steps_{mode}_{run}.json")
 
 
 def write_steps(path: Path) -> None:
@@ -158,11 +158,10 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> t
 
 
 def calibrate(base_url: str, mode: str, requests: int, rps: float, seed: int) -> None:
-    """Serve `mode` a calibration trace from cold caches; write the steps the engines timed."""
+    """Serve `mode` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    take_app_steps("pipelines")
     asyncio.run(replay(base_url, list(workload(requests, rps, seed).generate()), mode, seed))
     write_steps(steps_path(mode))
 
@@ -225,12 +224,12 @@ def main() -> None:
 
         conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
         for mode in modes:
+            take_app_steps("pipelines")  # steps from here on are this mode's (each write_steps takes them too)
             if a.calibration_requests:
                 console.print(f"[bold]{mode}[/bold], calibration replay")
                 calibrate(app.base_url, mode, a.calibration_requests, a.rps, a.seed + 1000)
             else:
                 steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
-            take_app_steps("pipelines")  # the run's own steps start now
             conductor.reset_prefix_caches.remote().result()
             before = Faults("pipelines").link_counters(WAN)["bytes_down"]
             console.print(f"[bold]{mode}[/bold]")

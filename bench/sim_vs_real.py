@@ -65,17 +65,6 @@ console = Console(width=160)
 REAL = OUT_DIR / "pipelines.csv"
 FITTED = OUT_DIR / "fitted_perf.json"
 
-
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> dict[str, FittedPerf]:
-    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py."""
-    path = steps_path(mode.value, run)
-    if not path.exists():
-        raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
-    doc = json.loads(path.read_text())
-    scaled = scale_to_steps(base, {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()})
-    if short := [role for role, (_, factor) in scaled.items() if factor is None]:
-        raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
-    return {role: model for role, (model, _) in scaled.items()}
 FIGURES = (("server_ttft_p50", "TTFT p50 ms, conductor"), ("server_ttft_p90", "TTFT p90 ms, conductor"),
            ("server_ttft_p99", "TTFT p99 ms, conductor"), ("ttft_p50", "TTFT p50 ms, client"), ("ttft_p90", "TTFT p90 ms, client"),
            ("ttft_p99", "TTFT p99 ms, client"), ("tpot_p50", "TPOT p50 ms"), ("gap_p99", "worst gap p99 ms"), ("wan_mb", "WAN MB"))
@@ -109,6 +98,18 @@ def _number(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(x) else x
+
+
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> dict[str, tuple[FittedPerf, float]]:
+    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py, with the factors."""
+    path = steps_path(mode.value, run)
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
+    doc = json.loads(path.read_text())
+    scaled = scale_to_steps(base, {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()})
+    if short := [role for role, (_, factor) in scaled.items() if factor is None]:
+        raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
+    return scaled
 
 
 def main() -> None:
@@ -148,13 +149,14 @@ def main() -> None:
         console.print(alone.describe())
         perfs = dict.fromkeys(modes, alone)
         if a.calibration in ("app", "run"):
-            perfs = {mode: app_models(alone, mode, "calibration" if a.calibration == "app" else "run") for mode in modes}
+            scaled = {mode: app_models(alone, mode, "calibration" if a.calibration == "app" else "run") for mode in modes}
+            perfs = {mode: {role: model for role, (model, _) in by_role.items()} for mode, by_role in scaled.items()}
             for mode, models in perfs.items():
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
             source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
             console.print(f"scaled per role to the engines' steps in each mode's {source}: " + "; ".join(
-                f"{mode.value} " + ", ".join(f"{role} {m.step_s(1, 1, 1, 1) / alone.step_s(1, 1, 1, 1):.2f}x" for role, m in models.items())
-                for mode, models in perfs.items()) + f" (wrote {OUT_DIR}/fitted_perf_MODE.json)")
+                f"{mode.value} " + ", ".join(f"{role} {factor:.2f}x" for role, (_, factor) in by_role.items())
+                for mode, by_role in scaled.items()) + f" (wrote {OUT_DIR}/fitted_perf_MODE.json)")
 
     real: dict[str, dict] = {}
     twin: dict[str, dict] = {}

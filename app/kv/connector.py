@@ -269,12 +269,12 @@ class PDDConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role is not KVConnectorRole.SCHEDULER:
             return None
-        steps = []
+        reports, self._reports = self._reports, []
+        data: dict[str, Any] = {"leases_live": len(self._leases_live), "transfers": reports}
         if self._step_clock is not None:  # vLLM asks at the end of each step's output processing
             self._step_clock.processed()
-            steps = self._step_clock.take()
-        reports, self._reports = self._reports, []
-        return PDDConnectorStats({"leases_live": len(self._leases_live), "transfers": reports, "steps": steps})
+            data["steps"] = self._step_clock.take()
+        return PDDConnectorStats(data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
