@@ -240,10 +240,15 @@ class EngineServer:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         pulling = request.kv_transfer_params is not None and PULL in request.kv_transfer_params
+        first = True
         async for out in self.engine.generate(prompt, params, request.request_id):
             completion = out.outputs[0]
             transfer = self._connector.take(request.request_id) if pulling else None
             pulling = pulling and transfer is None
+            engine_ttft_ms = None
+            if first and completion.token_ids:
+                first = False
+                engine_ttft_ms = _engine_ttft_ms(out.metrics)
             yield EngineDelta(
                 request_id=request.request_id,
                 token_ids=list(completion.token_ids),
@@ -253,6 +258,7 @@ class EngineServer:
                 num_cached_tokens=out.num_cached_tokens,
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 transfer=transfer,
+                engine_ttft_ms=engine_ttft_ms,
             )
 
     # `target_replica` is read by the affinity router, not here.
@@ -297,6 +303,13 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _engine_ttft_ms(stats: Any) -> float | None:
+    """Queue to first token by the engine core's clock (vLLM's RequestStateStats; None when it keeps none)."""
+    queued = getattr(stats, "queued_ts", 0.0)
+    first = getattr(stats, "first_token_ts", 0.0)
+    return (first - queued) * 1000 if queued and first >= queued else None
 
 
 def _kv_bytes_per_block(vllm_config) -> int:

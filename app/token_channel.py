@@ -66,6 +66,12 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     kv_transfer_params: dict[str, Any] | None = None
     transfer: dict[str, Any] | None = None
     """The KV pull this request made, once it finished (app/kv/connector.py)."""
+    engine_ttft_ms: float | None = None
+    """On the delta carrying the request's first token: the engine's own time from
+    queueing the request to producing that token (vLLM's `queued_ts` to
+    `first_token_ts`), waiting for remote KV included. What the request spent
+    before and after that (conductor, RPC, the engine's input and output
+    processing) is the serving stack's."""
     error: str | None = None
 
 

@@ -18,8 +18,11 @@ emulation grow over time) serves that mode while every engine times its steps
 (`engine.record_steps`, app/kv/steps.py); they go to
 bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
 twin's step model: steps of the loaded app, taken minutes before the run it is
-checked against, none of them from that run. The measured run's own steps go
-to bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
+checked against, none of them from that run. With them goes each calibration
+request's serving overhead: its TTFT at the conductor less the engines' own
+queue-to-first-token time (app/sim/calibrate.py `serving_overhead_ms`). The
+measured run's own steps and overheads go to
+bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
 
 Two worst-case latency figures per request:
 - worst gap: the longest wait between two tokens after the first;
@@ -47,7 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
-from app.sim.calibrate import take_app_steps
+from app.sim.calibrate import serving_overhead_ms, take_app_steps
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
 from tests.conftest import local_args, set_wan
@@ -67,11 +70,18 @@ def steps_path(mode: str, run: str = "calibration") -> Path:
     return OUT_DIR / (f"pipelines_steps_{mode}.json" if run == "calibration" else f"pipelines_steps_{mode}_{run}.json")
 
 
-def write_steps(path: Path) -> None:
-    """The steps the app's engines timed since the last take, by role."""
+def write_steps(path: Path, journeys: list[dict]) -> None:
+    """The steps the app's engines timed since the last take, by role, and the
+    serving overhead of each of `journeys` that has one (app/sim/calibrate.py)."""
     steps = take_app_steps("pipelines")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()}}))
+    path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
+                                "serving_overhead_ms": [x for j in journeys if (x := serving_overhead_ms(j)) is not None]}))
+
+
+def fetch_journeys(base_url: str, ids: list[str]) -> list[dict]:
+    """The conductor's journeys of these requests ({} where a request got no id)."""
+    return [httpx.get(f"{base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
 
 
 def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
@@ -162,8 +172,8 @@ def calibrate(base_url: str, mode: str, requests: int, rps: float, seed: int) ->
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    asyncio.run(replay(base_url, list(workload(requests, rps, seed).generate()), mode, seed))
-    write_steps(steps_path(mode))
+    _, ids, _ = asyncio.run(replay(base_url, list(workload(requests, rps, seed).generate()), mode, seed))
+    write_steps(steps_path(mode), fetch_journeys(base_url, ids))
 
 
 def worst_wait_ms(result: LoadResult, q: float) -> float:
@@ -234,13 +244,13 @@ def main() -> None:
             before = Faults("pipelines").link_counters(WAN)["bytes_down"]
             console.print(f"[bold]{mode}[/bold]")
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
-            write_steps(steps_path(mode, "run"))
+            journeys[mode] = fetch_journeys(app.base_url, ids)
+            write_steps(steps_path(mode, "run"), journeys[mode])
             results[mode] = result
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             write_trace(trace_path(mode), sorted(sent))
             wan[mode] = Faults("pipelines").link_counters(WAN)["bytes_down"] - before
             counts: dict[str, int] = {}
-            journeys[mode] = [httpx.get(f"{app.base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
             for j in journeys[mode]:
                 p = j.get("pipeline") or "?"
                 counts[p] = counts.get(p, 0) + 1
@@ -252,12 +262,13 @@ def main() -> None:
             "ttft_p50": r.ttft_ms(50), "ttft_p90": r.ttft_ms(90), "ttft_p99": r.ttft_ms(99),
             "tpot_p50": r.tpot_ms(50), "gap_p50": r.gap_ms(50), "gap_p99": r.gap_ms(99),
             "wait_p99": worst_wait_ms(r, 99), "wan_mb": wan[mode] / 1e6, "failed": len(r.records) - len(r.ok),
+            "serving_overhead_p50": percentile([x for j in journeys[mode] if (x := serving_overhead_ms(j)) is not None], 50),
         }
         for rec, j in zip(r.records, journeys[mode]):
             decision = j.get("decision") or {}
             rows.append({
                 "mode": mode, "pipeline": j.get("pipeline"), "prompt_tokens": j.get("prompt_tokens"),
-                "ttft_ms": rec.ttft_s * 1000, "server_ttft_ms": j.get("ttft_ms"), "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
+                "ttft_ms": rec.ttft_s * 1000, "server_ttft_ms": j.get("ttft_ms"), "serving_overhead_ms": serving_overhead_ms(j), "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
                 "md_hit_estimate": decision.get("md_hit_estimate"), "expected_wan_ms": decision.get("expected_wan_ms"),
                 "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
                 "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN), "error": rec.error or "",
@@ -272,6 +283,8 @@ def main() -> None:
                       " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())))
     console.print(table)
     console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
+    console.print("serving overhead p50 (TTFT at the conductor outside the engines' queues and steps): "
+                  + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items()))
 
     summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}
     if {"pdd", "pd_intra_dc", "pd_cross_dc_naive"} <= set(summary_rows):

@@ -9,8 +9,12 @@
    (bench/out/pipelines_steps_MODE.json). On this 2-vCPU machine, engines
    sharing it step up to ~1.7x slower than alone, more in pdd (three engines
    and the link emulators) than in colocated (one), and the twin models no CPU
-   sharing: the steps of the loaded app carry it. `--calibration idle` keeps
-   the model of the engine alone; `--calibration run` scales it to the steps of
+   sharing: the steps of the loaded app carry it. The same replay's median
+   serving overhead (TTFT at the conductor outside the engines' queues and
+   steps: conductor, RPC, the engines' input and output processing) goes on
+   the model of the role requests enter by, and the twin adds it to each
+   request. `--calibration idle` keeps the model of the engine alone (no
+   overhead); `--calibration run` scales it to the steps of
    the very run compared (in-sample, a diagnosis: what is left when the step
    times are right is the twin's own); `--perf FILE` uses a saved model as is.
 2. Replay each mode's trace (bench/out/pipelines_trace_MODE.jsonl: its requests,
@@ -53,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import calibrate, scale_to_steps, with_model_spec
+from app.sim.calibrate import calibrate, scale_to_steps, with_model_spec, with_serving_overhead
 from app.sim.cluster import derive
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -100,8 +104,9 @@ def _number(value: str | None) -> float | None:
     return None if math.isnan(x) else x
 
 
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> dict[str, tuple[FittedPerf, float]]:
-    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py, with the factors."""
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> tuple[dict[str, FittedPerf], dict[str, float], list[float]]:
+    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
+    with that replay's median serving overhead on the entry role's model; the factors and the overheads."""
     path = steps_path(mode.value, run)
     if not path.exists():
         raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
@@ -109,7 +114,11 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> dict[s
     scaled = scale_to_steps(base, {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()})
     if short := [role for role, (_, factor) in scaled.items() if factor is None]:
         raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
-    return scaled
+    overheads = doc.get("serving_overhead_ms") or []
+    if not overheads:
+        raise SystemExit(f"{path} has no serving overheads: run bench/pipelines.py again (its journeys record the engines' own TTFT)")
+    models = with_serving_overhead({role: model for role, (model, _) in scaled.items()}, mode, overheads)
+    return models, {role: factor for role, (_, factor) in scaled.items()}, overheads
 
 
 def main() -> None:
@@ -149,14 +158,16 @@ def main() -> None:
         console.print(alone.describe())
         perfs = dict.fromkeys(modes, alone)
         if a.calibration in ("app", "run"):
-            scaled = {mode: app_models(alone, mode, "calibration" if a.calibration == "app" else "run") for mode in modes}
-            perfs = {mode: {role: model for role, (model, _) in by_role.items()} for mode, by_role in scaled.items()}
-            for mode, models in perfs.items():
-                (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
             source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
-            console.print(f"scaled per role to the engines' steps in each mode's {source}: " + "; ".join(
-                f"{mode.value} " + ", ".join(f"{role} {factor:.2f}x" for role, (_, factor) in by_role.items())
-                for mode, by_role in scaled.items()) + f" (wrote {OUT_DIR}/fitted_perf_MODE.json)")
+            for mode in modes:
+                models, factors, overheads = app_models(alone, mode, "calibration" if a.calibration == "app" else "run")
+                perfs[mode] = models
+                (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
+                console.print(f"{mode.value}: scaled per role to the engines' steps in its {source}: "
+                              + ", ".join(f"{role} {factor:.2f}x" for role, factor in factors.items())
+                              + f"; serving overhead {percentile(overheads, 50):.1f} ms a request (median of {len(overheads)}; "
+                              f"p10-p90 {percentile(overheads, 10):.0f}-{percentile(overheads, 90):.0f} ms)")
+            console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")
 
     real: dict[str, dict] = {}
     twin: dict[str, dict] = {}

@@ -32,6 +32,14 @@ shape stays the one measured alone: served traffic covers few batch shapes
 (one or two decoding sequences, short prefills on the decoders), and a model
 fitted to those alone put the relay's prefill at 3 ms a token.
 
+The engines' steps are not all of a request's time to its first token: the
+conductor, RPC and each engine's input and output processing add a few to tens
+of milliseconds, more under load. `serving_overhead_ms` takes that share from a
+journey (its TTFT at the conductor less the time the engines on the first
+token's way took from queueing the request to producing their first token,
+both recorded by the real app), and `with_serving_overhead` gives the median of
+a run's to the model of the role requests enter by, which the twin adds to each.
+
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
 """
@@ -41,12 +49,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from app.config import ModelSpec, PDDConfig, RoleName
+from app.config import Mode, ModelSpec, PDDConfig, RoleName
+from app.policy import Pipeline
+from app.sim.cluster import entry_role
 from app.sim.perf import FittedPerf, StepSample, chunk_attention_pairs, fit_from_samples
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -209,6 +221,37 @@ def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[Ste
         taken = [handle.take_steps.remote(clear, target_replica=name.rsplit("#", 1)[-1]) for name in replicas]
         steps[role] = [StepSample(**s) for call in taken for s in call.result()]
     return steps
+
+
+def serving_overhead_ms(journey: Mapping) -> float | None:
+    """Of a journey's TTFT at the conductor (GET /pdd/requests/{id}), the time
+    outside the queues and steps of the engines the first token waited for:
+    P's (or the one engine's, colocated), and with P-D-naive the decoder's too,
+    its KV pull included. None for a journey without those figures (an error, a
+    failover, an engine that reports no timestamps)."""
+    ttft = journey.get("ttft_ms")
+    engine = journey.get("engine_ttft_ms") or {}
+    if ttft is None or journey.get("error") or journey.get("failovers") or not engine:
+        return None
+    pipeline = journey.get("pipeline")
+    if pipeline == Pipeline.colocated.value:
+        waited = list(engine.values()) if len(engine) == 1 else [None]
+    elif pipeline == Pipeline.p_d_naive.value:
+        waited = [engine.get(RoleName.prefill.value), engine.get(RoleName.main_decode.value)]
+    else:
+        waited = [engine.get(RoleName.prefill.value)]
+    return None if None in waited else ttft - math.fsum(waited)
+
+
+def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads_ms: Sequence[float]) -> dict[str, FittedPerf]:
+    """`models` (by role name) with the median of `overheads_ms` on the model of
+    the role `mode`'s requests enter by (`entry_role`), which the twin delays each
+    request by. No overheads: `models` as they are."""
+    out = dict(models)
+    if overheads_ms:
+        role = entry_role(mode).value
+        out[role] = replace(out[role], serving_overhead_ms=statistics.median(overheads_ms))
+    return out
 
 
 def scale_to_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],

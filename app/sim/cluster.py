@@ -55,6 +55,11 @@ def gpus_per_replica(config: PDDConfig, role: RoleName) -> int:
     return max(1, round(group.num_gpus)) if group.num_gpus > 0 else rc.engine.tensor_parallel_size
 
 
+def entry_role(mode: Mode) -> RoleName:
+    """The role whose engine a request of `mode` reaches first."""
+    return RoleName.main_decode if mode is Mode.colocated else RoleName.prefill
+
+
 def role_perf(config: PDDConfig, role: RoleName, perf: PerfArg) -> PerfModel:
     rc = config.roles.get(role)
     if perf is not None and not isinstance(perf, Mapping):

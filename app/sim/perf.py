@@ -26,8 +26,8 @@ running sequence's context plus each prefill chunk's cached prefix and the
 chunk itself), `attention_pairs` the (query, key) token pairs it computed
 (optional, 0 when unknown: the fit then has no pair term). A fitted model saves
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
-"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ...}`
-(`FittedPerf.to_json` / `from_json`; a model saved without `e` reads as e = 0).
+"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "serving_overhead_ms": ...}`
+(`FittedPerf.to_json` / `from_json`; a model saved without `e` or the overhead reads them as 0).
 Models fitted per role save as `{"roles": {"prefill": {"a_ms": ...}, ...}}`
 (`roles_to_json`); `load_perf` reads either form.
 """
@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -98,6 +98,12 @@ class FittedPerf:
     c_ms_per_decode_seq: float
     d_ms_per_kv_token: float
     e_ms_per_attention_pair: float = 0.0
+    serving_overhead_ms: float = 0.0
+    """Of a request entering the pipeline at this engine, the time to its first
+    token spent outside engine queues and steps (the conductor, RPC, the engine's
+    input and output processing), measured in the serving app's journeys
+    (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
+    by it once. Not a step cost: `scaled` keeps it."""
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0) -> float:
         return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
@@ -112,12 +118,15 @@ class FittedPerf:
 
     def scaled(self, factor: float) -> "FittedPerf":
         """Every step `factor` times as long."""
-        return FittedPerf(*(factor * v for v in self.__dict__.values()))
+        return replace(self, a_ms=factor * self.a_ms, b_ms_per_prefill_token=factor * self.b_ms_per_prefill_token,
+                       c_ms_per_decode_seq=factor * self.c_ms_per_decode_seq, d_ms_per_kv_token=factor * self.d_ms_per_kv_token,
+                       e_ms_per_attention_pair=factor * self.e_ms_per_attention_pair)
 
     def describe(self) -> str:
         return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
                 f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
-                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs")
+                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs"
+                + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else ""))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)

@@ -19,7 +19,11 @@ and its latencies count from then.
 
 Placement: the client and the conductor sit with the first role of the
 pipeline (prefill, or main_decode when colocated). Tokens and control
-messages from another datacenter pay half the link's base RTT.
+messages from another datacenter pay half the link's base RTT. The entry
+role's model may carry a serving overhead (`FittedPerf.serving_overhead_ms`,
+measured in the real app): each request enters its pipeline that much after it
+arrives, for the conductor, RPC and the engines' input and output processing,
+which add that to the real first token (and to every later one alike).
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.
@@ -70,7 +74,7 @@ from app.policy import (
     relay_cap,
     resolve_handoff_mode,
 )
-from app.sim.cluster import PerfArg, SimCluster, build_cluster, model_spec
+from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
 from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
@@ -110,6 +114,8 @@ class Twin:
         self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
         self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
         self.pending = PendingMDWork(self.loop, config.kv.transfer_timeout_s)
+        entry = pools[entry_role(self.mode)][0]
+        self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000
         self.outages = Outages(outages)
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]
@@ -168,6 +174,12 @@ class Twin:
         full = self.keymaker.turn(sess.conv, req.prefix_tokens, sess.stream)
         job = Job(self._rid, req, sess, len(sess.divs), full, self.block)
         self._rid += 1
+        if self.serving_overhead_s:
+            self.loop.at(self.loop.now + self.serving_overhead_s, self._start, job)
+        else:
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
         mode = self.mode
         if mode is Mode.pdd:
             self._pdd(job)

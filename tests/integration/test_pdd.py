@@ -16,7 +16,7 @@ import pytest
 
 from app.config import RoleName
 from app.faults import Faults
-from app.sim.calibrate import take_app_steps
+from app.sim.calibrate import serving_overhead_ms, take_app_steps
 from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
@@ -215,6 +215,19 @@ def _steps_until(app, done, timeout_s: float = 10.0) -> dict:
         if done(steps) or time.monotonic() > deadline:
             return steps
         time.sleep(0.2)
+
+
+def test_journeys_split_ttft_into_the_engines_own_time_and_the_serving_stacks(app):
+    """Each engine's queue-to-first-token time (vLLM's own timestamps) lands in the journey; the rest of TTFT is the stack's."""
+    _, colocated = completion(app, fresh(600), 3, mode="colocated")
+    assert set(colocated["engine_ttft_ms"]) == {"main_decode"}
+    assert 0 < colocated["engine_ttft_ms"]["main_decode"] < colocated["ttft_ms"]
+    assert serving_overhead_ms(colocated) == pytest.approx(colocated["ttft_ms"] - colocated["engine_ttft_ms"]["main_decode"])
+    _, pdd = completion(app, fresh(600), 8, mode="pdd")
+    engine = pdd["engine_ttft_ms"]
+    assert {role for role, _ in pdd["token_sources"]} <= set(engine), (pdd["token_sources"], engine)
+    assert 0 < engine["prefill"] < pdd["ttft_ms"]
+    assert serving_overhead_ms(pdd) == pytest.approx(pdd["ttft_ms"] - engine["prefill"])
 
 
 def test_engines_time_their_steps_in_the_twins_terms(app):

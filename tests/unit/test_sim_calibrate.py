@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,9 @@ import yaml
 from typer.testing import CliRunner
 
 from app.cli import main as pdd
-from app.config import RoleName, load_config
+from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
-from app.sim.calibrate import _Prompts, model_spec_from_folder, scale_to_steps, with_model_spec
+from app.sim.calibrate import _Prompts, model_spec_from_folder, scale_to_steps, serving_overhead_ms, with_model_spec, with_serving_overhead
 from app.sim.perf import FittedPerf, StepSample
 
 LOCAL = "serve_configs/local.yaml"
@@ -93,6 +94,31 @@ def test_a_role_with_too_few_steps_keeps_the_model_alone_and_none_at_all_say_wha
     assert scaled["main_decode"][1] == pytest.approx(2.0, rel=0.1)
     with pytest.raises(ValueError, match="record_steps"):
         scale_to_steps(ALONE, {RoleName.main_decode: []})
+
+
+def test_serving_overhead_is_ttft_outside_the_engines_the_first_token_waited_for():
+    pdd = {"pipeline": "P-RLD-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0, "relay_decode": 300.0, "main_decode": 900.0}}
+    assert serving_overhead_ms(pdd) == pytest.approx(25.0)  # the first token is P's: the decoders' pulls come after it
+    assert serving_overhead_ms({**pdd, "pipeline": "P-MD"}) == pytest.approx(25.0)
+    colocated = {"pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}}
+    assert serving_overhead_ms(colocated) == pytest.approx(17.5)
+    # naive: the first token reaches the client with the decoder's, after its pull
+    assert serving_overhead_ms({"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0, "main_decode": 450.0}}) == pytest.approx(35.0)
+    for partial in ({**pdd, "engine_ttft_ms": {"relay_decode": 300.0}}, {**pdd, "ttft_ms": None}, {**pdd, "error": "boom"},
+                    {**pdd, "failovers": [{"from_role": "prefill"}]}, {"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0}},
+                    {**colocated, "engine_ttft_ms": {}}, {}):
+        assert serving_overhead_ms(partial) is None
+
+
+def test_the_median_overhead_goes_on_the_role_requests_enter_by():
+    models = {"prefill": ALONE, "relay_decode": ALONE.scaled(1.5), "main_decode": ALONE.scaled(1.2)}
+    with_overhead = with_serving_overhead(models, Mode.pdd, [10.0, 30.0, 20.0, 500.0])
+    assert with_overhead["prefill"] == replace(ALONE, serving_overhead_ms=25.0)
+    assert {r: m for r, m in with_overhead.items() if r != "prefill"} == {r: m for r, m in models.items() if r != "prefill"}
+    assert with_serving_overhead(models, Mode.colocated, [8.0])["main_decode"].serving_overhead_ms == 8.0
+    assert with_serving_overhead(models, Mode.pdd, []) == models
+    assert ALONE.scaled(2.0).serving_overhead_ms == 0.0
+    assert with_overhead["prefill"].scaled(2.0).serving_overhead_ms == 25.0  # scaling steps leaves the stack's time alone
 
 
 def test_calibrating_from_an_app_says_what_is_missing(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,23 @@ def test_models_by_role_come_before_models_by_node_group():
     assert r.ttft_s == pytest.approx(0.050, rel=1e-9)  # one prefill step on P: the role's model, not group a's
     r = only(simulate(tiny_config("colocated"), [Request(0.0, "s", 100, 0, 3)], {"prefill": prefill_model, "a": group_a, "b": group_b}))
     assert (r.ttft_s, r.tpot_s) == (pytest.approx(0.003), pytest.approx(0.003))  # colocated serves on main decode: group b
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pdd", "pd_intra_dc", "pd_cross_dc_naive"])
+def test_the_entry_roles_serving_overhead_delays_every_token_once(mode):
+    """The conductor, RPC and the engines' input and output processing: time outside the steps, paid once per request."""
+    models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": FittedPerf(2.0, 0, 0.1, 0), "main_decode": FittedPerf(3.0, 0.01, 0.1, 0)}
+    entry = "main_decode" if mode == "colocated" else "prefill"
+    slow = {**models, entry: replace(models[entry], serving_overhead_ms=20.0)}
+    other = "prefill" if mode == "colocated" else "main_decode"
+    ignored = {**models, other: replace(models[other], serving_overhead_ms=20.0)}  # only the entry role's counts
+    # two turns of one session, the second after the first ends: the delay shifts it whole, as it shifts the first
+    reqs = [Request(0.0, "s", 1000, 0, 8), Request(5.0, "s", 1100, 1008, 8)]
+    base, delayed, same = (simulate(tiny_config(mode), reqs, m).records() for m in (models, slow, ignored))
+    for b, d, o in zip(base, delayed, same):
+        assert d.ttft_s == pytest.approx(b.ttft_s + 0.020, rel=1e-9)
+        assert (d.tpot_s, d.max_gap_s, d.pipeline) == (pytest.approx(b.tpot_s, rel=1e-9), pytest.approx(b.max_gap_s, rel=1e-9), b.pipeline)
+        assert (o.ttft_s, o.tpot_s) == (pytest.approx(b.ttft_s, rel=1e-9), pytest.approx(b.tpot_s, rel=1e-9))
 
 
 def test_chunked_prefill_by_hand():
