@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -240,7 +241,7 @@ class EngineServer:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         pulling = request.kv_transfer_params is not None and PULL in request.kv_transfer_params
-        first = True
+        started, first = time.monotonic(), True
         async for out in self.engine.generate(prompt, params, request.request_id):
             completion = out.outputs[0]
             transfer = self._connector.take(request.request_id) if pulling else None
@@ -248,7 +249,7 @@ class EngineServer:
             engine_ttft_ms = None
             if first and completion.token_ids:
                 first = False
-                engine_ttft_ms = _engine_ttft_ms(out.metrics)
+                engine_ttft_ms = (time.monotonic() - started) * 1000
             yield EngineDelta(
                 request_id=request.request_id,
                 token_ids=list(completion.token_ids),
@@ -303,13 +304,6 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _engine_ttft_ms(stats: Any) -> float | None:
-    """Queue to first token by the engine core's clock (vLLM's RequestStateStats; None when it keeps none)."""
-    queued = getattr(stats, "queued_ts", 0.0)
-    first = getattr(stats, "first_token_ts", 0.0)
-    return (first - queued) * 1000 if queued and first >= queued else None
 
 
 def _kv_bytes_per_block(vllm_config) -> int:

@@ -50,10 +50,10 @@ class Journey:
     """Runs of [role, count] in client order: who produced each token."""
     ttft_ms: float | None = None
     engine_ttft_ms: dict[str, float] = field(default_factory=dict)
-    """role -> that engine's own time from queueing the request to its first token
-    (EngineDelta.engine_ttft_ms). Of `ttft_ms`, what the engines on the first
-    token's way did not spend is the serving stack's (app/sim/calibrate.py
-    `serving_overhead_ms`)."""
+    """role -> that engine replica's time from handing the request to vLLM to its
+    first token (EngineDelta.engine_ttft_ms). Of `ttft_ms`, what the engines on
+    the first token's way did not spend is the serving stack's
+    (app/sim/calibrate.py `serving_overhead_ms`)."""
     decode_ms: float | None = None
     """First to last token."""
     max_gap_ms: float | None = None

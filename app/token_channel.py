@@ -67,11 +67,11 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     transfer: dict[str, Any] | None = None
     """The KV pull this request made, once it finished (app/kv/connector.py)."""
     engine_ttft_ms: float | None = None
-    """On the delta carrying the request's first token: the engine's own time from
-    queueing the request to producing that token (vLLM's `queued_ts` to
-    `first_token_ts`), waiting for remote KV included. What the request spent
-    before and after that (conductor, RPC, the engine's input and output
-    processing) is the serving stack's."""
+    """On the delta carrying the request's first token: the engine replica's time
+    from handing the request to vLLM to vLLM giving that token back (its queue
+    and steps, a remote KV wait, its input and output processing). What the
+    request spent before and after (the conductor, Serve's routing, the token
+    channel) is the serving stack's."""
     error: str | None = None
 
 

@@ -14,13 +14,14 @@ the twin to replay (bench/sim_vs_real.py).
 Before each mode's measured run, a calibration replay (another seed, as many
 requests unless `--calibration-requests` says otherwise: with 40, the engines
 stepped faster than in the 120-request run, whose WAN backlog and link
-emulation grow over time) serves that mode while every engine times its steps
+emulation grow over time; its arrivals scaled to the run's rate of requests,
+so it offers the same load: `calibration_trace`) serves that mode while every engine times its steps
 (`engine.record_steps`, app/kv/steps.py); they go to
 bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
 twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
-request's serving overhead: its TTFT at the conductor less the engines' own
-queue-to-first-token time (app/sim/calibrate.py `serving_overhead_ms`). The
+request's serving overhead: its TTFT at the conductor less the engine
+replicas' own (app/sim/calibrate.py `serving_overhead_ms`). The
 measured run's own steps and overheads go to
 bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
 
@@ -51,6 +52,7 @@ from rich.table import Table
 
 from app.faults import Faults
 from app.sim.calibrate import serving_overhead_ms, take_app_steps
+from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
 from tests.conftest import local_args, set_wan
@@ -167,12 +169,24 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> t
     return LoadResult(mode, 0, time.perf_counter() - t0, [r for r in records if r is not None]), ids, [r for r in sent if r is not None]
 
 
-def calibrate(base_url: str, mode: str, requests: int, rps: float, seed: int) -> None:
+def calibration_trace(requests: int, rps: float, seed: int, span_s: float) -> list[Request]:
+    """Another trace of the workload, its arrivals stretched or squeezed to span `span_s`.
+
+    Agents wait for each answer, so how many sessions a seed draws sets the real
+    load more than `rps` does: seed 1 spreads 120 requests over 85 s, seed 1001
+    over 198 s, and at that half load P stepped 1.4x slower than alone against
+    1.9x in the run. At the run's rate of requests, both offer about the same load.
+    """
+    trace = list(workload(requests, rps, seed).generate())
+    return list(scaled(trace, trace[-1].arrival_s / span_s)) if span_s > 0 and trace[-1].arrival_s > 0 else trace
+
+
+def calibrate(base_url: str, mode: str, trace: list[Request], seed: int) -> None:
     """Serve `mode` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    _, ids, _ = asyncio.run(replay(base_url, list(workload(requests, rps, seed).generate()), mode, seed))
+    _, ids, _ = asyncio.run(replay(base_url, trace, mode, seed))
     write_steps(steps_path(mode), fetch_journeys(base_url, ids))
 
 
@@ -224,6 +238,12 @@ def main() -> None:
                   f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
                   f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included)")
 
+    calibration = []
+    if a.calibration_requests:  # at the run's own rate of requests
+        calibration = calibration_trace(a.calibration_requests, a.rps, a.seed + 1000, trace[-1].arrival_s * a.calibration_requests / len(trace))
+        console.print(f"calibration trace: {len(calibration)} requests in {len({r.session for r in calibration})} sessions over "
+                      f"{calibration[-1].arrival_s:.0f} s (seed {a.seed + 1000}, arrivals scaled to the run's rate)")
+
     results: dict[str, LoadResult] = {}
     wan: dict[str, int] = {}
     pipelines: dict[str, dict[str, int]] = {}
@@ -237,7 +257,7 @@ def main() -> None:
             take_app_steps("pipelines")  # steps from here on are this mode's (each write_steps takes them too)
             if a.calibration_requests:
                 console.print(f"[bold]{mode}[/bold], calibration replay")
-                calibrate(app.base_url, mode, a.calibration_requests, a.rps, a.seed + 1000)
+                calibrate(app.base_url, mode, calibration, a.seed + 1000)
             else:
                 steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
             conductor.reset_prefix_caches.remote().result()
@@ -283,7 +303,7 @@ def main() -> None:
                       " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())))
     console.print(table)
     console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
-    console.print("serving overhead p50 (TTFT at the conductor outside the engines' queues and steps): "
+    console.print("serving overhead p50 (TTFT at the conductor outside the engine replicas): "
                   + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items()))
 
     summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}

@@ -10,8 +10,8 @@
    sharing it step up to ~1.7x slower than alone, more in pdd (three engines
    and the link emulators) than in colocated (one), and the twin models no CPU
    sharing: the steps of the loaded app carry it. The same replay's median
-   serving overhead (TTFT at the conductor outside the engines' queues and
-   steps: conductor, RPC, the engines' input and output processing) goes on
+   serving overhead (TTFT at the conductor outside the engine replicas: the
+   conductor, Serve's routing, the token channel) goes on
    the model of the role requests enter by, and the twin adds it to each
    request. `--calibration idle` keeps the model of the engine alone (no
    overhead); `--calibration run` scales it to the steps of

@@ -32,13 +32,15 @@ shape stays the one measured alone: served traffic covers few batch shapes
 (one or two decoding sequences, short prefills on the decoders), and a model
 fitted to those alone put the relay's prefill at 3 ms a token.
 
-The engines' steps are not all of a request's time to its first token: the
-conductor, RPC and each engine's input and output processing add a few to tens
-of milliseconds, more under load. `serving_overhead_ms` takes that share from a
-journey (its TTFT at the conductor less the time the engines on the first
-token's way took from queueing the request to producing their first token,
-both recorded by the real app), and `with_serving_overhead` gives the median of
-a run's to the model of the role requests enter by, which the twin adds to each.
+The engines are not all of a request's time to its first token: the
+conductor, Serve's routing and the token channel add a few to tens of
+milliseconds, more under load. `serving_overhead_ms` takes that share from a
+journey (its TTFT at the conductor less the time the engine replicas on the
+first token's way took from handing the request to vLLM to getting that token
+back, both recorded by the real app), and `with_serving_overhead` gives the
+median of a run's to the model of the role requests enter by, which the twin
+adds to each. vLLM's own input and output processing stays outside both the
+overhead and the step model: a few milliseconds the twin does not model.
 
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
@@ -225,10 +227,10 @@ def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[Ste
 
 def serving_overhead_ms(journey: Mapping) -> float | None:
     """Of a journey's TTFT at the conductor (GET /pdd/requests/{id}), the time
-    outside the queues and steps of the engines the first token waited for:
-    P's (or the one engine's, colocated), and with P-D-naive the decoder's too,
-    its KV pull included. None for a journey without those figures (an error, a
-    failover, an engine that reports no timestamps)."""
+    outside the engine replicas the first token waited for: P (or the one
+    engine, colocated), and with P-D-naive the decoder too, its KV pull
+    included. None for a journey without those figures (an error, a failover,
+    an app too old to record them)."""
     ttft = journey.get("ttft_ms")
     engine = journey.get("engine_ttft_ms") or {}
     if ttft is None or journey.get("error") or journey.get("failovers") or not engine:
@@ -243,6 +245,27 @@ def serving_overhead_ms(journey: Mapping) -> float | None:
     return None if None in waited else ttft - math.fsum(waited)
 
 
+def app_serving_overheads(url: str, mode: Mode) -> list[float]:
+    """The serving overhead of every journey of `mode` the app at `url` still
+    keeps (GET /pdd/requests; PDD_API_KEY for auth). Raises ConnectionError
+    naming the address when it cannot be read."""
+    import os
+
+    import httpx
+
+    from app.journal import JOURNAL_CAPACITY
+
+    key = os.environ.get("PDD_API_KEY")
+    try:
+        resp = httpx.get(f"{url}/pdd/requests", params={"limit": JOURNAL_CAPACITY}, timeout=30,
+                         headers={"authorization": f"Bearer {key}"} if key else {})
+        resp.raise_for_status()
+    except httpx.HTTPError as err:
+        raise ConnectionError(f"cannot read {url}/pdd/requests: {err}") from None
+    journeys = resp.json()["requests"]
+    return [x for j in journeys if j.get("mode") == mode.value and (x := serving_overhead_ms(j)) is not None]
+
+
 def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads_ms: Sequence[float]) -> dict[str, FittedPerf]:
     """`models` (by role name) with the median of `overheads_ms` on the model of
     the role `mode`'s requests enter by (`entry_role`), which the twin delays each
@@ -250,6 +273,8 @@ def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overhead
     out = dict(models)
     if overheads_ms:
         role = entry_role(mode).value
+        if role not in out:
+            raise ValueError(f"no step model for {role}, which {mode.value} requests enter by: it timed no step")
         out[role] = replace(out[role], serving_overhead_ms=statistics.median(overheads_ms))
     return out
 

@@ -10,7 +10,9 @@
 writes the fitted step-time model `--perf` reads (app/sim/calibrate.py).
 `pdd calibrate CONFIG --from-app pdd` then scales that model per role to the
 steps the engines of the running app timed while serving (roles with
-`engine.record_steps`): steps run slower where engines share a host.
+`engine.record_steps`): steps run slower where engines share a host. The
+median serving overhead of the app's journeys (TTFT outside the engine
+replicas) goes on the model of the role requests enter by.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from rich.console import Console
 
 from app.config import ConfigError, Mode, PDDConfig, RoleName, load_config
 from app.sim.calibrate import with_model_spec
-from app.sim.cluster import SimConfigError, derive
+from app.sim.cluster import SimConfigError, derive, entry_role
 from app.sim.perf import FittedPerf
 from app.sim.report import Summary, plot_bathtub, plot_ttft_cdf, summary_table
 from app.sim.run import SimRun, Workload, agentic_at, goodput_search, hit_sweep, scaled, simulate
@@ -156,11 +158,13 @@ def calibrate(
     from_app: str | None = typer.Option(None, "--from-app", help="Instead, scale --base per role to the steps this running Serve app's engines timed (engine.record_steps)"),
     base: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="With --from-app: the model of an engine measured alone (`pdd calibrate CONFIG`)"),
     address: str | None = typer.Option(None, help="With --from-app: its Ray cluster (default: the one `pdd run` started)"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="With --from-app: its HTTP address, for the journeys that give the serving overhead (PDD_API_KEY for auth)"),
     out: Path | None = typer.Option(None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
     """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
-    with --from-app, scale that model per role to the steps a running app's engines timed while serving."""
+    with --from-app, scale that model per role to the steps a running app's engines timed while serving, and add its journeys' serving overhead."""
+    from app.sim.calibrate import app_serving_overheads, with_serving_overhead
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import load_perf, roles_to_json, save_samples
 
@@ -176,11 +180,17 @@ def calibrate(
             if not isinstance(base_model, FittedPerf):
                 raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
             scaled, samples = _scale_from_app(base_model, from_app, address)
-            text = roles_to_json({role: model for role, (model, _) in scaled.items()})
+            overheads = app_serving_overheads(url, config.mode)
+            models = with_serving_overhead({role: model for role, (model, _) in scaled.items()}, config.mode, overheads)
+            text = roles_to_json(models)
             summary = "\n".join(
                 f"{role}: {len(samples[role])} timed steps, {factor:.2f}x the engine alone" if factor is not None else
                 f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
                 for role, (_, factor) in scaled.items())
+            entry = entry_role(config.mode).value
+            summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request (median of {len(overheads)} "
+                        f"{config.mode.value} requests' TTFT outside the engine replicas), on {entry}'s model" if overheads else
+                        f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]")
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")

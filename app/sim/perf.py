@@ -100,8 +100,8 @@ class FittedPerf:
     e_ms_per_attention_pair: float = 0.0
     serving_overhead_ms: float = 0.0
     """Of a request entering the pipeline at this engine, the time to its first
-    token spent outside engine queues and steps (the conductor, RPC, the engine's
-    input and output processing), measured in the serving app's journeys
+    token spent outside the engine replicas (the conductor, Serve's routing, the
+    token channel), measured in the serving app's journeys
     (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
     by it once. Not a step cost: `scaled` keeps it."""
 

@@ -22,8 +22,8 @@ pipeline (prefill, or main_decode when colocated). Tokens and control
 messages from another datacenter pay half the link's base RTT. The entry
 role's model may carry a serving overhead (`FittedPerf.serving_overhead_ms`,
 measured in the real app): each request enters its pipeline that much after it
-arrives, for the conductor, RPC and the engines' input and output processing,
-which add that to the real first token (and to every later one alike).
+arrives, for the conductor, Serve's routing and the token channel, which add
+that to the real first token (and to every later one alike).
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.

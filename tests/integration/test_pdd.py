@@ -218,7 +218,7 @@ def _steps_until(app, done, timeout_s: float = 10.0) -> dict:
 
 
 def test_journeys_split_ttft_into_the_engines_own_time_and_the_serving_stacks(app):
-    """Each engine's queue-to-first-token time (vLLM's own timestamps) lands in the journey; the rest of TTFT is the stack's."""
+    """Each engine replica's time to the first token lands in the journey; the rest of TTFT is the serving stack's."""
     _, colocated = completion(app, fresh(600), 3, mode="colocated")
     assert set(colocated["engine_ttft_ms"]) == {"main_decode"}
     assert 0 < colocated["engine_ttft_ms"]["main_decode"] < colocated["ttft_ms"]

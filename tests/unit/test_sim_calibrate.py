@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from typer.testing import CliRunner
 from app.cli import main as pdd
 from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
-from app.sim.calibrate import _Prompts, model_spec_from_folder, scale_to_steps, serving_overhead_ms, with_model_spec, with_serving_overhead
+from app.journal import JOURNAL_CAPACITY
+from app.sim.calibrate import _Prompts, app_serving_overheads, model_spec_from_folder, scale_to_steps, serving_overhead_ms, with_model_spec, with_serving_overhead
 from app.sim.perf import FittedPerf, StepSample
 
 LOCAL = "serve_configs/local.yaml"
@@ -117,8 +120,47 @@ def test_the_median_overhead_goes_on_the_role_requests_enter_by():
     assert {r: m for r, m in with_overhead.items() if r != "prefill"} == {r: m for r, m in models.items() if r != "prefill"}
     assert with_serving_overhead(models, Mode.colocated, [8.0])["main_decode"].serving_overhead_ms == 8.0
     assert with_serving_overhead(models, Mode.pdd, []) == models
+    with pytest.raises(ValueError, match="no step model for prefill, which pdd requests enter by"):
+        with_serving_overhead({"main_decode": ALONE}, Mode.pdd, [8.0])
     assert ALONE.scaled(2.0).serving_overhead_ms == 0.0
     assert with_overhead["prefill"].scaled(2.0).serving_overhead_ms == 25.0  # scaling steps leaves the stack's time alone
+
+
+def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app_is_named(monkeypatch):
+    journeys = [
+        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0}},
+        {"mode": "pdd", "pipeline": "P-RLD", "ttft_ms": 90.0, "engine_ttft_ms": {"prefill": 60.0, "relay_decode": 5.0}},
+        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "error": "boom", "engine_ttft_ms": {"prefill": 15.0}},
+        {"mode": "colocated", "pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}},
+    ]
+    seen = []
+
+    class Journal(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("authorization")))
+            body = json.dumps({"requests": journeys}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Journal)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setenv("PDD_API_KEY", "k1")
+    try:
+        assert app_serving_overheads(url, Mode.pdd) == [pytest.approx(25.0), pytest.approx(30.0)]
+        assert app_serving_overheads(url, Mode.colocated) == [pytest.approx(17.5)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen[0] == (f"/pdd/requests?limit={JOURNAL_CAPACITY}", "Bearer k1")
+    with pytest.raises(ConnectionError, match=f"cannot read {url}/pdd/requests"):
+        app_serving_overheads(url, Mode.pdd)
 
 
 def test_calibrating_from_an_app_says_what_is_missing(tmp_path):
