@@ -20,10 +20,14 @@ from app.config import PDDConfig
 from app.observability import APP_NAME, query_set
 
 
-def fetch_state(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+def api_headers() -> dict[str, str]:
+    """The bearer header for our API when PDD_API_KEY is set."""
     key = os.environ.get("PDD_API_KEY")
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    resp = httpx.get(f"{url}/pdd/state", headers=headers, timeout=timeout_s)
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def fetch_state(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    resp = httpx.get(f"{url}/pdd/state", headers=api_headers(), timeout=timeout_s)
     if resp.status_code != 200:
         raise RuntimeError(f"GET {url}/pdd/state: HTTP {resp.status_code}: {resp.text[:200]}")
     return resp.json()

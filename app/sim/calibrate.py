@@ -249,16 +249,13 @@ def app_serving_overheads(url: str, mode: Mode) -> list[float]:
     """The serving overhead of every journey of `mode` the app at `url` still
     keeps (GET /pdd/requests; PDD_API_KEY for auth). Raises ConnectionError
     naming the address when it cannot be read."""
-    import os
-
     import httpx
 
     from app.journal import JOURNAL_CAPACITY
+    from app.status import api_headers
 
-    key = os.environ.get("PDD_API_KEY")
     try:
-        resp = httpx.get(f"{url}/pdd/requests", params={"limit": JOURNAL_CAPACITY}, timeout=30,
-                         headers={"authorization": f"Bearer {key}"} if key else {})
+        resp = httpx.get(f"{url}/pdd/requests", params={"limit": JOURNAL_CAPACITY}, timeout=30, headers=api_headers())
         resp.raise_for_status()
     except httpx.HTTPError as err:
         raise ConnectionError(f"cannot read {url}/pdd/requests: {err}") from None

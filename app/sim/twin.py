@@ -32,62 +32,28 @@ Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - pd_cross_dc_naive (P-D-naive): main_decode pulls the full prompt KV over
   the WAN (its own cache unused), computes the first token's KV and only then
   do tokens 1 and 2 reach the client.
-- pdd: MD is routed first, then the pipeline chosen, then P routed.
-  - P-MD: the first token from P; MD pulls only what it lacks over the WAN
-    and continues.
-  - P-RLD-MD: the first token from P; RLD pulls over the intra-DC link and
-    decodes while MD warms (pulls over the WAN, then computes the first
-    token's KV). MD work of an earlier turn still running on that MD (its
-    warm-up, or its catch-up on a turn the relay finished) counts towards the
-    hit estimate, and MD's pull (on P-MD too) waits for it, at most
-    kv.transfer_timeout_s, as the conductor's await_warm does. Each finished
-    MD step is a handoff decision: a catch-up round (MD computes the eager
-    tokens so far while RLD keeps going) or the final one (RLD is aborted,
-    MD computes the rest and continues the stream). At its cap the relay's
-    tokens stop reaching the client, but RLD's request keeps decoding
-    (discarded) until the final step aborts it, as relay.py's pump does; the
-    next round is then the final one. A request RLD finishes before any
-    handoff ends there; MD's step in flight still completes and lands in its
-    cache.
-  - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
-    everything. Outages (`Outage`) set those facts for requests routed
-    during them; a transfer cannot start on a down link until it is back.
+- pdd: app/sim/pdd.py.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator
 
 from app.config import Mode, PDDConfig, RoleName
-from app.policy import (
-    ClusterFacts,
-    HandoffStep,
-    LinkBacklog,
-    LinkFacts,
-    Pipeline,
-    RequestFacts,
-    blocks_missing,
-    choose_pipeline,
-    next_handoff_step,
-    relay_cap,
-    resolve_handoff_mode,
-)
+from app.policy import ClusterFacts, LinkBacklog, LinkFacts, Pipeline, blocks_missing
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
-from app.sim.engine import WAITING, Instance, PrefillJob, Seq
+from app.sim.engine import Instance, PrefillJob, Seq
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.outages import Outage, Outages
+from app.sim.pdd import P_D_NAIVE, P_RLD_MD, PDDPipelines
 from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.workload import Request
 
-P_MD, P_RLD_MD, P_RLD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_d_naive
-
-
-class Twin:
+class Twin(PDDPipelines):
     """One simulation run of a config; `run(requests)` serves them all and returns Results."""
 
     def __init__(self, config: PDDConfig, perf: PerfArg = None, seed: int = 0,
@@ -382,225 +348,3 @@ class Twin:
             self._finish(job)
             return
         self._decode(job, job.d, req.prompt_tokens + 2, req.output_tokens - 2, t, self.ow)
-
-    # ---- PDD (app/relay.py) ----------------------------------------------------------
-
-    def _pdd(self, job: Job) -> None:
-        req = job.req
-        md, md_cached = None, 0
-        if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
-            md, md_cached = self._route(RoleName.main_decode, job.keys)
-            # a previous turn's MD work still running there: count its blocks, wait for it
-            job.after, covered = self.pending.covering(md.name, job.keys)
-            md_cached = max(md_cached, covered * self.block)
-        job.md = md
-        # relay.rld_load: the least loaded relay decoder and its occupancy
-        rld = min(self.R, key=self._streams) if self.R else None
-        load = rld.streams / rld.max_seqs if rld is not None else 1.0
-        key = (load, rld is not None, not self._down("wan"), md is not None)
-        facts = self._cluster_facts.get(key)
-        if facts is None:  # frozen, and few distinct values: built once each
-            facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
-        queued = self.wan_backlog.queued(self.loop.now)
-        if queued:
-            facts = replace(facts, wan_backlog_bytes=queued)
-        decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
-        job.pipe = pipe = decision.pipeline
-        job.wan_planned = decision.blocks_to_send * self.block_bytes
-        if pipe is not P_MD:
-            job.r = rld
-            job.cap = relay_cap(self.handoff, load)
-            job.hmode = resolve_handoff_mode(self.handoff, load)
-        self._start_prefill(job, self._pdd_first)
-
-    @staticmethod
-    def _streams(inst: Instance) -> int:
-        return inst.streams
-
-    def _pdd_first(self, pj: PrefillJob) -> None:
-        job: Job = pj.owner
-        req = job.req
-        self._prefilled(job)
-        if self._first_token(job, self.loop.now):
-            job.p.close(job.pl, req.prompt_tokens, job.gen)
-            self._finish(job)
-            return
-        pipe = job.pipe
-        prompt = req.prompt_tokens
-        if pipe is P_RLD:
-            if job.md is not None:  # singular, or WAN down: MD never sees this request
-                self.index.unroute(job.md.name, job.keys)
-            self._open_decoder(job, job.r, req.prefix_tokens)
-            job.rl = job.dl
-            job.pulls = 1
-            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
-            return
-        if pipe is P_MD:
-            job.pulls = 1
-        else:
-            r = job.r
-            r.streams += 1
-            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
-            job.pulls = 2
-            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
-            job.warm = self.pending.track(job.md.name, job.keys)
-        self.pending.after(job.after, self._main_pull, job)
-
-    def _main_pull(self, job: Job) -> None:
-        """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
-        req = job.req
-        self._open_decoder(job, job.md, req.prefix_tokens)
-        if job.done:  # the relay finished the request while MD's pull waited
-            self.results.set_decode_hit(job.row, job.dl.hit)
-        self.wan_backlog.add(job.wan_planned, self.loop.now)
-        self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
-
-    def _singular_pulled(self, job: Job) -> None:
-        self._pull_done(job)
-        req = job.req
-        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
-
-    def _end_relay(self, job: Job, keep: int) -> None:
-        """RLD's request is over (finished, or aborted at the handoff): its blocks stay cached."""
-        job.r.streams -= 1
-        job.r.close(job.rl, keep, job.gen)
-        job.seq = None
-
-    def _relay_pulled(self, job: Job) -> None:
-        self._pull_done(job)
-        req = job.req
-        if job.handed:  # MD took over before the relay could start: its request was aborted
-            self._end_relay(job, req.prompt_tokens)
-            return
-        n = min(job.cap, req.output_tokens - 1)
-        job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped)
-
-    def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None]) -> Seq:
-        seq = Seq(job, ctx, n, ctx + n, job.rl, cb)
-        job.r.submit_decode(seq)
-        return seq
-
-    def _relay_stopped(self, seq: Seq, worst: float) -> None:
-        """RLD produced the last token the client takes from it: the request's end, or the cap."""
-        job: Job = seq.owner
-        now = self.loop.now
-        req = job.req
-        job.gap = max(job.gap, seq.t_first - job.t_first, worst)
-        job.relay_tokens = seq.n
-        job.t_relay_last = now
-        if seq.n == req.output_tokens - 1:  # RLD ended the request before the handoff
-            self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
-            job.catch_up = self.pending.track(job.md.name, job.full)  # MD catches up on the answer: the next turn waits for it
-            job.t_last = now
-            self._finish(job)
-            return
-        # at the cap: RLD's request goes on (its tokens discarded) until the final step aborts it
-        job.capped = True
-        job.seq = self._relay_decode(job, seq.ctx + seq.n, req.output_tokens - 1 - seq.n, self._discarded)
-
-    def _discarded(self, seq: Seq, worst: float) -> None:
-        """RLD finished the output past its cap before MD took over."""
-        self._end_relay(seq.owner, seq.ctx + seq.n)
-
-    def _main_pulled(self, job: Job) -> None:
-        self._pull_done(job)
-        req = job.req
-        if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands
-            self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow)
-            return
-        # the warm request: MD computes the first token's KV (its own sampled token is discarded)
-        job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))
-
-    def _md_step_done(self, pj: PrefillJob) -> None:
-        self.loop.at(self.loop.now + self.ow, self._handoff, pj.owner)
-
-    def _handoff(self, job: Job) -> None:
-        """The conductor learns MD finished a step (the warm-up or a catch-up round)."""
-        now = self.loop.now
-        req = job.req
-        md = job.d
-        if job.warm is not None:  # the warm-up's blocks are MD's cache now
-            md.publish(job.dl, req.prompt_tokens + 1, job.gen)
-            self.pending.done(md.name, job.warm)
-            job.warm = None
-        if job.done:  # RLD finished the request: MD's steps only bring its cache along
-            self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
-            behind = req.output_tokens - 1 - job.sent
-            if behind > 0:  # relay.py: MD extends over the relay's tokens, in the background
-                pj = PrefillJob(job, behind, req.prompt_tokens + 1 + job.sent, req.prompt_tokens + req.output_tokens, job.dl, self._md_caught_up)
-                md.submit_prefill(pj)
-                return
-            md.streams -= 1
-            md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
-            self.pending.done(md.name, job.catch_up)
-            return
-        md.streams -= 1
-        seq = job.seq
-        if job.capped:
-            if seq is not None:
-                produced, _, _ = job.r.abort(seq, now)
-                self._end_relay(job, seq.ctx + produced)
-            self._extend(job, job.relay_tokens, final=True)
-            return
-        if seq is None:  # the relay has not started: MD continues from the first token
-            job.handed = True
-            self._extend(job, 0, final=True)
-            return
-        produced, _ = job.r.tokens_by(seq, now)
-        step = next_handoff_step(produced - job.sent, job.rounds, job.hmode, self.handoff)
-        if step is HandoffStep.catch_up:
-            job.rounds += 1
-            self._extend(job, produced, final=False)
-            return
-        started = seq.state != WAITING
-        produced, t_last, worst = job.r.abort(seq, now)
-        if started and produced:
-            job.gap = max(job.gap, worst, seq.t_first - job.t_first)
-            job.t_relay_last = t_last
-        job.relay_tokens = produced
-        self._end_relay(job, req.prompt_tokens + 1 + produced)
-        self._extend(job, produced, final=True)
-
-    def _md_caught_up(self, pj: PrefillJob) -> None:
-        """MD holds the whole turn the relay finished."""
-        job: Job = pj.owner
-        md, req = job.d, job.req
-        md.streams -= 1
-        md.close(job.dl, req.prompt_tokens + req.output_tokens, job.gen)
-        self.index.record(md.name, job.full, md.kv_blocks)
-        self.pending.done(md.name, job.catch_up)
-
-    def _extend(self, job: Job, upto: int, final: bool) -> None:
-        """A new MD request: prompt + the tokens the client has, of which MD computes the
-        relay tokens it has not been sent yet in one extend step (at least one token).
-        A catch-up request stops there; the final one decodes the rest."""
-        req = job.req
-        ctx = req.prompt_tokens + 1 + job.sent
-        tokens = upto - job.sent
-        job.sent = upto
-        if final:
-            need, cb = req.prompt_tokens + req.output_tokens, self._handed_over
-        else:
-            need, cb = req.prompt_tokens + 1 + upto, self._md_step_done
-        job.d.streams += 1
-        pj = PrefillJob(job, max(1, tokens), ctx, need, job.dl, cb)
-        self.loop.at(self.loop.now + self.ow, _submit, (job.d, pj))
-
-    def _handed_over(self, pj: PrefillJob) -> None:
-        """MD's final extend step produced the token after the relay's last one."""
-        job: Job = pj.owner
-        req = job.req
-        t = self.loop.now + self.ow
-        job.gap = max(job.gap, t - job.t_relay_last)
-        left = req.output_tokens - 2 - job.relay_tokens
-        if left <= 0:
-            job.t_last = t
-            job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)
-            self._settle(job)
-            self._finish(job)
-            return
-        self._decode(job, job.d, req.prompt_tokens + job.relay_tokens + 2, left, t, self.ow)
-
-
-def _submit(arg: tuple[Instance, PrefillJob]) -> None:
-    arg[0].submit_prefill(arg[1])

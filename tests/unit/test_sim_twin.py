@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import app.policy
+import app.sim.pdd
 import app.sim.twin
 from app.config import Mode, PDDConfig
 from app.policy import Pipeline
@@ -220,14 +221,14 @@ def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pu
 
 def test_catch_up_rounds_go_through_policy(monkeypatch):
     steps = []
-    real = app.sim.twin.next_handoff_step
+    real = app.sim.pdd.next_handoff_step
 
     def spy(pending, rounds, mode, handoff):
         step = real(pending, rounds, mode, handoff)
         steps.append((pending, rounds, mode.value, step.value))
         return step
 
-    monkeypatch.setattr(app.sim.twin, "next_handoff_step", spy)
+    monkeypatch.setattr(app.sim.pdd, "next_handoff_step", spy)
     config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1},
                          handoff={"mode": "catch_up", "catch_up_threshold_tokens": 8, "relay_cap_tokens": 4000},
                          links=[tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}])
@@ -309,7 +310,8 @@ def test_workload_generator_is_seeded():
 
 def test_twin_calls_the_policy_module_itself():
     for name in ("choose_pipeline", "blocks_missing", "next_handoff_step", "relay_cap", "resolve_handoff_mode"):
-        assert getattr(app.sim.twin, name) is getattr(app.policy, name)
+        assert getattr(app.sim.pdd, name) is getattr(app.policy, name)
+    assert app.sim.twin.blocks_missing is app.policy.blocks_missing
 
 
 def test_policy_swapped_in_changes_the_twin(monkeypatch):
@@ -319,7 +321,7 @@ def test_policy_swapped_in_changes_the_twin(monkeypatch):
         d = real(req, cluster, routing)
         return type(d)(Pipeline.p_rld_md, d.blocks_to_send, d.expected_wan_ms, d.md_hit_rate, "forced")
 
-    monkeypatch.setattr(app.sim.twin, "choose_pipeline", always_relay)
+    monkeypatch.setattr(app.sim.pdd, "choose_pipeline", always_relay)
     run = simulate(tiny_config("pdd"), [Request(0.0, "s", 500, 0, 50)])
     assert only(run).pipeline is Pipeline.p_rld_md
 
@@ -335,7 +337,7 @@ def test_pipeline_choices_equal_policy_on_the_same_facts(monkeypatch, raw, thres
         calls.append((req, cluster, routing, d))
         return d
 
-    monkeypatch.setattr(app.sim.twin, "choose_pipeline", record)
+    monkeypatch.setattr(app.sim.pdd, "choose_pipeline", record)
     reqs = [Request(t, s, p, int(h * p), o) for t, s, p, h, o in sorted(raw)]
     config = tiny_config("pdd", routing={"max_wan_transfer_ms": threshold, "min_hit_rate": min_hit})
     records = simulate(config, reqs).records()
