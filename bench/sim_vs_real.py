@@ -3,18 +3,19 @@
 1. Calibrate (app/sim/calibrate.py). A real vLLM engine with
    bench/pipelines.py's config is measured alone, now, and the twin's
    step-time model fitted to it (`--base FILE` reuses one). By default that
-   model is then scaled per role and mode to the loaded app (`scale_to_steps`):
+   model is then fitted per role and mode to the loaded app (`scale_to_steps`):
    before each mode's measured run, bench/pipelines.py served that mode a
    calibration trace (another seed) and every engine timed its steps
    (bench/out/pipelines_steps_MODE.json). On this 2-vCPU machine, engines
-   sharing it step up to ~1.7x slower than alone, more in pdd (three engines
-   and the link emulators) than in colocated (one), and the twin models no CPU
-   sharing: the steps of the loaded app carry it. The same replay's median
+   sharing it step up to 2-3x slower than alone, the more the more of them are
+   busy at once: the fit gives each role its slowdown with no busy neighbor
+   engine and per busy neighbor, and the twin applies it to its own replicas,
+   all on one host (`--no-host-sharing`: one factor per role). The same replay's median
    serving overhead (TTFT at the conductor outside the engine replicas: the
    conductor, Serve's routing, the token channel) goes on
    the model of the role requests enter by, and the twin adds it to each
    request. `--calibration idle` keeps the model of the engine alone (no
-   overhead); `--calibration run` scales it to the steps of
+   overhead); `--calibration run` fits it to the steps of
    the very run compared (in-sample, a diagnosis: what is left when the step
    times are right is the twin's own); `--perf FILE` uses a saved model as is.
 2. Replay each mode's trace (bench/out/pipelines_trace_MODE.jsonl: its requests,
@@ -57,7 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import calibrate, scale_to_steps, with_model_spec, with_serving_overhead
+from app.sim.calibrate import RoleFit, calibrate, scale_to_steps, with_model_spec, with_serving_overhead
 from app.sim.cluster import derive
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -104,21 +105,25 @@ def _number(value: str | None) -> float | None:
     return None if math.isnan(x) else x
 
 
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration") -> tuple[dict[str, FittedPerf], dict[str, float], list[float]]:
-    """`base` scaled per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
-    with that replay's median serving overhead on the entry role's model; the factors and the overheads."""
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
+               host_sharing: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[float]]:
+    """`base` fitted per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
+    with that replay's median serving overhead on the entry role's model; the fits and the overheads."""
     path = steps_path(mode.value, run)
     if not path.exists():
         raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
     doc = json.loads(path.read_text())
-    scaled = scale_to_steps(base, {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()})
-    if short := [role for role, (_, factor) in scaled.items() if factor is None]:
+    steps = {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()}
+    if host_sharing and any(s.start_s is None for samples in steps.values() for s in samples):
+        raise SystemExit(f"{path}: steps without start times: run bench/pipelines.py again, or pass --no-host-sharing")
+    fits = scale_to_steps(base, steps, host_sharing=host_sharing)
+    if short := [role for role, fit in fits.items() if fit.factor is None]:
         raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
     overheads = doc.get("serving_overhead_ms") or []
     if not overheads:
         raise SystemExit(f"{path} has no serving overheads: run bench/pipelines.py again (its journeys record the engines' own TTFT)")
-    models = with_serving_overhead({role: model for role, (model, _) in scaled.items()}, mode, overheads)
-    return models, {role: factor for role, (_, factor) in scaled.items()}, overheads
+    models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, mode, overheads)
+    return models, fits, overheads
 
 
 def main() -> None:
@@ -129,6 +134,8 @@ def main() -> None:
                          "is left when the step times are right)")
     ap.add_argument("--base", type=Path, help="the engine-alone model JSON (default: measure a real engine now)")
     ap.add_argument("--perf", type=Path, help="a step-time model JSON used as is for every mode (app/sim/perf.py load_perf)")
+    ap.add_argument("--no-host-sharing", dest="host_sharing", action="store_false",
+                    help="scale each role by one factor instead of fitting how busy engines on this host slow each other")
     ap.add_argument("--seed", type=int, default=0, help="seed of the twin's link draws")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -160,11 +167,11 @@ def main() -> None:
         if a.calibration in ("app", "run"):
             source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
             for mode in modes:
-                models, factors, overheads = app_models(alone, mode, "calibration" if a.calibration == "app" else "run")
+                models, fits, overheads = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", a.host_sharing)
                 perfs[mode] = models
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
-                console.print(f"{mode.value}: scaled per role to the engines' steps in its {source}: "
-                              + ", ".join(f"{role} {factor:.2f}x" for role, factor in factors.items())
+                console.print(f"{mode.value}: fitted per role to the engines' steps in its {source}: "
+                              + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
                               + f"; serving overhead {percentile(overheads, 50):.1f} ms a request (median of {len(overheads)}; "
                               f"p10-p90 {percentile(overheads, 10):.0f}-{percentile(overheads, 90):.0f} ms)")
             console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")

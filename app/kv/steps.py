@@ -16,6 +16,11 @@ decoding request waits per token. Otherwise (a prefill that ended its request,
 then nothing or other work) the step lasts until its outputs are processed: the
 time until the next schedule may hold an idle wait. An engine whose requests
 all wait for remote KV schedules empty steps: no step is timed across those.
+
+Each step also keeps when it started (`start_s`, `time.monotonic`: on Linux
+CLOCK_MONOTONIC, one clock for every process of a host), so the steps of
+engines sharing a host can be laid side by side (app/sim/calibrate.py
+`fit_host_sharing`).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def step_shape(scheduler_output: "SchedulerOutput") -> dict[str, Any]:
 class StepClock:
     """Turns the stream of engine steps into timed step samples (dicts of `StepSample`'s fields)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._last: _Step | None = None
         self._samples: list[dict[str, Any]] = []
@@ -101,7 +106,7 @@ class StepClock:
         return samples
 
     def _keep(self, step: "_Step", end: float) -> None:
-        self._samples.append({**step.shape, "step_ms": (end - step.start) * 1000})
+        self._samples.append({**step.shape, "step_ms": (end - step.start) * 1000, "start_s": step.start})
 
 
 @dataclass

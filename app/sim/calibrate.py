@@ -25,10 +25,15 @@ Steps of an idle engine run faster than the same steps while the app serves,
 where the other engines, the conductor, the link emulators and the clients
 share the host. So a second step sets the level from steps timed inside the
 serving engines (`engine.record_steps`, app/kv/steps.py): `take_app_steps`
-collects them from a running app, and `scale_to_steps` scales the model of the
-engine measured alone, one factor per role (engines of one host slow each
-other down unevenly), so that it sums to the time the role's steps took. The
-shape stays the one measured alone: served traffic covers few batch shapes
+collects them from a running app, and `scale_to_steps` fits the model of the
+engine measured alone to them, per role. How much slower a step runs depends
+on how many other engines of the host are busy meanwhile: each step carries
+its start time, `busy_neighbors` counts the other engines in flight over it,
+and the fit gives each role a slowdown with no busy neighbor and one per busy
+neighbor (`FittedPerf.neighbor_slowdown`), which the twin applies to its own
+busy replicas. One factor per role, as before, would carry the load of the
+run it was measured at: at the start of a run, P prefills alone at ~1.1x the
+engine alone, and 2-3x once the decoders run beside it. The shape stays the one measured alone: served traffic covers few batch shapes
 (one or two decoding sequences, short prefills on the decoders), and a model
 fitted to those alone put the relay's prefill at 3 ms a token.
 
@@ -54,9 +59,11 @@ import math
 import statistics
 import time
 import uuid
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from app.config import Mode, ModelSpec, PDDConfig, RoleName
 from app.policy import Pipeline
@@ -221,7 +228,7 @@ def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[Ste
             continue
         handle = serve.get_deployment_handle(deployment, app_name=app_name)
         taken = [handle.take_steps.remote(clear, target_replica=name.rsplit("#", 1)[-1]) for name in replicas]
-        steps[role] = [StepSample(**s) for call in taken for s in call.result()]
+        steps[role] = [StepSample(**s, engine=name) for name, call in zip(replicas, taken) for s in call.result()]
     return steps
 
 
@@ -276,25 +283,122 @@ def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overhead
     return out
 
 
+class _Coverage:
+    """The time one engine had a step in flight, from its steps' intervals."""
+
+    def __init__(self, intervals: Sequence[tuple[float, float]]):
+        merged: list[list[float]] = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [a for a, _ in merged]
+        self.ends = [b for _, b in merged]
+        self.before = [0.0]
+        for a, b in merged:
+            self.before.append(self.before[-1] + b - a)
+
+    def _upto(self, t: float) -> float:
+        i = bisect_right(self.starts, t) - 1
+        return 0.0 if i < 0 else self.before[i] + min(t, self.ends[i]) - self.starts[i]
+
+    def within(self, a: float, b: float) -> float:
+        return self._upto(b) - self._upto(a)
+
+
+def busy_neighbors(steps: Mapping[RoleName, Sequence[StepSample]]) -> dict[RoleName, list[float]]:
+    """For each timed step, how many other engines of the app had a step in
+    flight while it ran (averaged over its duration). Engines are told apart by
+    role and `StepSample.engine`. Raises ValueError when a step has no start time."""
+    intervals: dict[tuple[RoleName, str], list[tuple[float, float]]] = {}
+    for role, samples in steps.items():
+        for s in samples:
+            if s.start_s is None:
+                raise ValueError(f"a {role.value} step has no start time (start_s): time the steps with this version of the app")
+            intervals.setdefault((role, s.engine), []).append((s.start_s, s.start_s + s.step_ms / 1000))
+    cover = {engine: _Coverage(spans) for engine, spans in intervals.items()}
+    out: dict[RoleName, list[float]] = {}
+    for role, samples in steps.items():
+        out[role] = []
+        for s in samples:
+            a, b = s.start_s, s.start_s + s.step_ms / 1000
+            others = math.fsum(c.within(a, b) for engine, c in cover.items() if engine != (role, s.engine))
+            out[role].append(others / (b - a) if b > a else 0.0)
+    return out
+
+
+class RoleFit(NamedTuple):
+    """A role's step model fitted to the steps its engines timed in the serving app."""
+
+    model: FittedPerf
+    factor: float | None
+    """The role's steps over the time the base model gives them; with host
+    sharing, that ratio with no busy neighbor engine. None: too few steps, and
+    `model` is the base."""
+    neighbor_slowdown: float = 0.0
+    """Each busy neighbor engine's share of slowdown (`FittedPerf.neighbor_slowdown`)."""
+    neighbors: float | None = None
+    """Busy neighbor engines while the role's steps ran, weighted by their time; None without host sharing."""
+
+    def describe(self) -> str:
+        if self.factor is None:
+            return "too few timed steps: kept at the engine alone's model"
+        if self.neighbors is None:
+            return f"{self.factor:.2f}x the engine alone"
+        return (f"{self.factor:.2f}x the engine alone with no busy neighbor engine, +{self.neighbor_slowdown:.0%} per busy "
+                f"neighbor ({self.neighbors:.2f} busy on average)")
+
+
 def scale_to_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
-                   min_steps: int = MIN_APP_STEPS) -> dict[str, tuple[FittedPerf, float | None]]:
-    """`base` scaled per role to the steps that role's engines took, with the
-    factor (keyed by role name, as the twin's `perf` takes the models): the
-    steps' measured time over the time `base` gives them. A role with fewer
-    than `min_steps` steps keeps `base` (factor None); one with none is left
-    out (it did not serve)."""
-    scaled: dict[str, tuple[FittedPerf, float | None]] = {}
+                   min_steps: int = MIN_APP_STEPS, host_sharing: bool = True) -> dict[str, RoleFit]:
+    """`base` fitted per role to the steps that role's engines took (keyed by
+    role name, as the twin's `perf` takes the models).
+
+    With `host_sharing` and steps that carry their start times, a step of alone
+    time t that ran while k other engines were busy (`busy_neighbors`) is fitted
+    as t x (s0 + s1 k), least squares on the step times, s0 > 0 and s1 >= 0:
+    the model is `base` x s0 with `neighbor_slowdown` s1 / s0, and the twin
+    applies the same rule to its own busy engines. Otherwise one factor: the
+    steps' measured time over the time `base` gives them.
+
+    A role with fewer than `min_steps` steps keeps `base` (factor None); one
+    with none is left out (it did not serve)."""
+    timed = host_sharing and all(s.start_s is not None for samples in steps.values() for s in samples)
+    neighbors = busy_neighbors(steps) if timed else {}
+    fits: dict[str, RoleFit] = {}
     for role, samples in steps.items():
         if not samples:
             continue
         if len(samples) < min_steps:
-            scaled[role.value] = (base, None)
+            fits[role.value] = RoleFit(base, None)
             continue
-        measured = math.fsum(s.step_ms for s in samples)
-        modelled = math.fsum(base.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) for s in samples) * 1000
-        if modelled <= 0:
+        measured = [s.step_ms for s in samples]
+        alone = [base.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) * 1000 for s in samples]
+        if math.fsum(alone) <= 0:
             raise ValueError("the base model gives these steps no time: calibrate it on a real engine first")
-        scaled[role.value] = (base.scaled(measured / modelled), measured / modelled)
-    if not scaled:
+        factor = math.fsum(measured) / math.fsum(alone)
+        if not timed:
+            fits[role.value] = RoleFit(base.scaled(factor), factor)
+            continue
+        k = neighbors[role]
+        s0, s1 = _fit_slowdown(measured, alone, k)
+        mean_k = math.fsum(m * x for m, x in zip(measured, k)) / math.fsum(measured)
+        fits[role.value] = RoleFit(replace(base.scaled(s0), neighbor_slowdown=s1 / s0), s0, s1 / s0, mean_k)
+    if not fits:
         raise ValueError("no engine timed a step: set roles.ROLE.engine.record_steps and send traffic first")
-    return scaled
+    return fits
+
+
+def _fit_slowdown(measured: Sequence[float], alone: Sequence[float], neighbors: Sequence[float]) -> tuple[float, float]:
+    """(s0, s1) of measured ~ alone x (s0 + s1 x neighbors), least squares, s0 > 0, s1 >= 0."""
+    import numpy as np
+
+    if not any(neighbors):
+        return math.fsum(measured) / math.fsum(alone), 0.0
+    y = np.asarray(measured)
+    x = np.stack([np.asarray(alone), np.asarray(alone) * np.asarray(neighbors)], axis=1)
+    (s0, s1), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if s1 < 0 or s0 <= 0:  # no measurable effect of the neighbors (or a degenerate spread): one factor
+        return float(y.sum() / x[:, 0].sum()), 0.0
+    return float(s0), float(s1)

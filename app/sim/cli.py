@@ -155,7 +155,7 @@ cli.command("sim")(sim)
 def calibrate(
     config_path: Path = typer.Argument(..., help="Serve config YAML whose engine is measured"),
     role: RoleName = typer.Option(RoleName.prefill, help="Role whose engine arguments are used"),
-    from_app: str | None = typer.Option(None, "--from-app", help="Instead, scale --base per role to the steps this running Serve app's engines timed (engine.record_steps)"),
+    from_app: str | None = typer.Option(None, "--from-app", help="Instead, fit --base per role to the steps this running Serve app's engines timed (engine.record_steps), with the slowdown engines sharing the host cause each other"),
     base: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="With --from-app: the model of an engine measured alone (`pdd calibrate CONFIG`)"),
     address: str | None = typer.Option(None, help="With --from-app: its Ray cluster (default: the one `pdd run` started)"),
     url: str = typer.Option("http://127.0.0.1:8000", help="With --from-app: its HTTP address, for the journeys that give the serving overhead (PDD_API_KEY for auth)"),
@@ -163,7 +163,8 @@ def calibrate(
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
     """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
-    with --from-app, scale that model per role to the steps a running app's engines timed while serving, and add its journeys' serving overhead."""
+    with --from-app, fit that model per role to the steps a running app's engines timed while serving (and how busy engines on one host slow
+    each other), and add its journeys' serving overhead."""
     from app.sim.calibrate import app_serving_overheads, with_serving_overhead
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import load_perf, roles_to_json, save_samples
@@ -181,12 +182,12 @@ def calibrate(
                 raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
             scaled, samples = _scale_from_app(base_model, from_app, address)
             overheads = app_serving_overheads(url, config.mode)
-            models = with_serving_overhead({role: model for role, (model, _) in scaled.items()}, config.mode, overheads)
+            models = with_serving_overhead({role: fit.model for role, fit in scaled.items()}, config.mode, overheads)
             text = roles_to_json(models)
             summary = "\n".join(
-                f"{role}: {len(samples[role])} timed steps, {factor:.2f}x the engine alone" if factor is not None else
+                f"{role}: {len(samples[role])} timed steps, {fit.describe()}" if fit.factor is not None else
                 f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
-                for role, (_, factor) in scaled.items())
+                for role, fit in scaled.items())
             entry = entry_role(config.mode).value
             summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request (median of {len(overheads)} "
                         f"{config.mode.value} requests' TTFT outside the engine replicas), on {entry}'s model" if overheads else
@@ -209,7 +210,7 @@ def calibrate(
 
 
 def _scale_from_app(base: FittedPerf, app_name: str, address: str | None):
-    """`base` scaled per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
+    """`base` fitted per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
     import os
 
     from app.cluster import CLUSTER_ENV, recorded_address

@@ -3,8 +3,10 @@
 Perf model per role: a fitted model when one is given (for every role, or by
 role name, or by node-group name, in that order), else the roofline from the
 role's node group's `spec` and `model.spec`. Models by role come from steps
-timed in the serving app (app/sim/calibrate.py `scale_to_steps`): engines
-sharing a host slow each other down unevenly. KV capacity per replica: with a
+timed in the serving app (app/sim/calibrate.py `fit_host_sharing`): engines
+sharing a host slow each other down. When any model has a `neighbor_slowdown`
+(it was fitted on such a host), every replica is placed on one `Host`, as the
+CPU dev cluster places them. KV capacity per replica: with a
 spec, the replica's memory (`memory_gib` x accelerators x
 `gpu_memory_utilization`) less the weights;
 without one, the role's `engine.kv_cache_gib` (the CPU engines' setting).
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import MODE_ROLES, Mode, ModelSpec, PDDConfig, RoleConfig, RoleName, link_key
-from app.sim.engine import Instance
+from app.sim.engine import Host, Instance
 from app.sim.events import Loop
 from app.sim.network import Link
 from app.sim.perf import PerfModel, Roofline
@@ -128,5 +130,10 @@ def build_cluster(config: PDDConfig, loop: Loop, mode: Mode, perf: PerfArg = Non
                      capacity=capacity, block_size=config.model.block_size)
             for i in range(rc.replicas)
         ]
+    if any(getattr(pool[0].perf, "neighbor_slowdown", 0.0) > 0 for pool in pools.values()):
+        host = Host()
+        for pool in pools.values():
+            for inst in pool:
+                host.join(inst)
     links = {lc.key: Link(loop, lc, seed) for lc in config.links}
     return SimCluster(pools, links, {role: config.datacenter_of(role) for role in pools})

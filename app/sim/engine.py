@@ -17,6 +17,13 @@ prefix it reuses, then everything it will write, reserved on admission); the
 prefix cache keeps the rest of memory and is evicted as reservations grow.
 When nothing runs, the head of the queue is admitted even if it alone
 exceeds memory, so a huge request delays others instead of wedging the replica.
+
+CPU sharing: replicas on one `Host` (engines of a CPU dev cluster, all on one
+machine) slow each other down. A step runs `1 + neighbor_slowdown * k` times
+as long as its model gives, k the host's other busy replicas (`neighbor_slowdown`:
+the replica's fitted model, app/sim/calibrate.py `fit_host_sharing`). When k
+changes, a step in flight finishes its remaining share at the new rate, and a
+decode epoch ends at its next step boundary and is planned again.
 """
 
 from __future__ import annotations
@@ -94,6 +101,26 @@ class Seq:
         self.inst: Instance | None = None
 
 
+class Host:
+    """Replicas sharing one machine's CPU; `busy` counts those with a step in flight."""
+
+    __slots__ = ("members", "busy")
+
+    def __init__(self) -> None:
+        self.members: list[Instance] = []
+        self.busy = 0
+
+    def join(self, inst: "Instance") -> None:
+        self.members.append(inst)
+        inst.host = self
+
+    def changed(self, inst: "Instance", now: float) -> None:
+        """`inst` became busy or idle: the others' steps in flight run at a new rate."""
+        for other in self.members:
+            if other is not inst and (other.state == STEP or other.state == EPOCH):
+                other._rescale(now)
+
+
 class Instance:
     def __init__(self, loop: Loop, name: str, perf: PerfModel, *, max_seqs: int, max_batched: int, capacity: int, block_size: int):
         self.loop = loop
@@ -139,6 +166,13 @@ class Instance:
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.host: Host | None = None
+        self.neighbor_slowdown = getattr(perf, "neighbor_slowdown", 0.0)
+        self.busy = False
+        """Counted busy on the host (state changes inside a step boundary do not count)."""
+        self.slow = 1.0
+        """The host's slowdown of the step or epoch in flight."""
+        self.step_joined: Sequence[Seq] = ()
 
     # ---- leases and the prefix cache ----------------------------------------------
 
@@ -299,6 +333,10 @@ class Instance:
                 kv += job.ctx + c
                 pairs += c * job.ctx + c * (c + 1) / 2  # perf.chunk_attention_pairs, inlined
             dt = self.perf.step_s(pf, self.n, kv, pairs)
+            if self.host is not None:
+                self.slow = self._slowdown()
+                dt *= self.slow
+                self.step_joined = joined
             self.state = STEP
             self.chunks = chunks
             self.step_dt = dt
@@ -311,7 +349,11 @@ class Instance:
             heap = self.fin_heap
             while heap[0][2].state != RUNNING:
                 heapq.heappop(heap)
-            ramp = self.ramp = DecodeRamp(self.perf.decode_lines(self.n, self.kv))
+            lines = self.perf.decode_lines(self.n, self.kv)
+            if self.host is not None:
+                slow = self.slow = self._slowdown()
+                lines = (lines[0] * slow, lines[1] * slow, lines[2] * slow, lines[3] * slow)
+            ramp = self.ramp = DecodeRamp(lines)
             steps = self.steps
             m = self.m = heap[0][0] - steps
             self.s0 = steps
@@ -326,6 +368,35 @@ class Instance:
             heapq.heappush(loop.heap, (now + ramp.cum(m), next(loop.order), self._epoch_end, self.version))
         else:
             self.state = IDLE
+        if self.host is not None and (self.state != IDLE) != self.busy:
+            self.busy = not self.busy
+            self.host.busy += 1 if self.busy else -1
+            self.host.changed(self, now)
+
+    def _slowdown(self) -> float:
+        return 1.0 + self.neighbor_slowdown * (self.host.busy - self.busy)
+
+    def _rescale(self, now: float) -> None:
+        """The host's other busy replicas changed in number: a step in flight runs its
+        remaining share at the new rate; an epoch ends at its next step boundary."""
+        slow = self._slowdown()
+        if slow == self.slow:
+            return
+        if self.state == STEP:
+            end = self.t0 + self.step_dt
+            left = (end - now) * slow / self.slow
+            self.slow = slow
+            self.step_dt = now - self.t0 + left
+            for seq in self.step_joined:
+                seq.t_first = now + left
+            self.version += 1
+            self.loop.at(now + left, self._step_end, self.version)
+        else:
+            k = self.ramp.steps_within(now - self.t0) + 1
+            if k < self.m:
+                self.m = k
+                self.version += 1
+                self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
 
     def _step_end(self, version: int) -> None:
         if version != self.version:

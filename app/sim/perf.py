@@ -26,8 +26,9 @@ running sequence's context plus each prefill chunk's cached prefix and the
 chunk itself), `attention_pairs` the (query, key) token pairs it computed
 (optional, 0 when unknown: the fit then has no pair term). A fitted model saves
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
-"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "serving_overhead_ms": ...}`
-(`FittedPerf.to_json` / `from_json`; a model saved without `e` or the overhead reads them as 0).
+"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "serving_overhead_ms": ...,
+"neighbor_slowdown": ...}` (`FittedPerf.to_json` / `from_json`; a model saved
+without `e`, the overhead or the slowdown reads them as 0).
 Models fitted per role save as `{"roles": {"prefill": {"a_ms": ...}, ...}}`
 (`roles_to_json`); `load_perf` reads either form.
 """
@@ -104,6 +105,13 @@ class FittedPerf:
     token channel), measured in the serving app's journeys
     (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
     by it once. Not a step cost: `scaled` keeps it."""
+    neighbor_slowdown: float = 0.0
+    """On a host whose engines share the CPU (the CPU dev cluster): each other
+    engine busy while a step runs makes the step this fraction longer (the rest
+    of the model is the engine with no busy neighbor). Fitted from the serving
+    app's timed steps (app/sim/calibrate.py `fit_host_sharing`); 0 for an engine
+    with its own accelerator. The twin puts every replica on one host when a
+    model has it (app/sim/cluster.py). `scaled` keeps it."""
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0) -> float:
         return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
@@ -126,6 +134,7 @@ class FittedPerf:
         return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
                 f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
                 f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs"
+                + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
                 + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else ""))
 
     def to_json(self) -> str:
@@ -143,6 +152,11 @@ class StepSample:
     kv_tokens_read: int
     step_ms: float
     attention_pairs: float = 0.0
+    start_s: float | None = None
+    """When the step started, on its host's monotonic clock (app/kv/steps.py);
+    None where unknown (a step timed alone, an older file)."""
+    engine: str = ""
+    """The engine replica that took the step, where steps of several engines are mixed."""
 
 
 def chunk_attention_pairs(tokens: int, cached: int) -> float:

@@ -64,8 +64,8 @@ def test_a_step_continued_by_the_next_lasts_until_the_next_schedule():
     steps.scheduled(scheduled(new={"b": (0, 10)}, running={"a": (101, 2, 1)}))
     first, second = steps.take()
     assert first == {"prefill_tokens": 100, "decode_seqs": 0, "kv_tokens_read": 100,
-                     "attention_pairs": chunk_attention_pairs(100, 0), "step_ms": pytest.approx(25.0)}
-    assert (second["decode_seqs"], second["step_ms"]) == (1, pytest.approx(6.0))
+                     "attention_pairs": chunk_attention_pairs(100, 0), "step_ms": pytest.approx(25.0), "start_s": 0.0}
+    assert (second["decode_seqs"], second["step_ms"], second["start_s"]) == (1, pytest.approx(6.0), 0.025)
     assert steps.take() == []
 
 
