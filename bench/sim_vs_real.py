@@ -3,7 +3,7 @@
 1. Calibrate (app/sim/calibrate.py). A real vLLM engine with
    bench/pipelines.py's config is measured alone, now, and the twin's
    step-time model fitted to it (`--base FILE` reuses one). By default that
-   model is then fitted per role and mode to the loaded app (`scale_to_steps`):
+   model is then fitted per role and mode to the loaded app (`fit_to_app_steps`):
    before each mode's measured run, bench/pipelines.py served that mode a
    calibration trace (another seed) and every engine timed its steps
    (bench/out/pipelines_steps_MODE.json). On this 2-vCPU machine, engines
@@ -23,7 +23,9 @@
    (links, routing, handoff, replicas) and that mode's models.
 3. Compare per-request figures with the real run (bench/out/pipelines.csv):
    TTFT p50/p90/p99, TPOT p50, worst gap p99, WAN bytes and the pipeline mix.
-   Goal: pdd's TTFT p50 and p90 within 20%, at the conductor.
+   Goal: pdd's TTFT p50 and p90 within 20%, at the conductor. With host
+   sharing, the twin with one factor per role (the same steps) runs beside it
+   as the baseline.
 
 TTFT is shown twice. At the conductor (the real journeys' `ttft_ms`: from the
 request reaching the conductor to its first token) is what the twin models,
@@ -58,7 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import RoleFit, calibrate, scale_to_steps, with_model_spec, with_serving_overhead
+from app.sim.calibrate import RoleFit, calibrate, fit_to_app_steps, with_model_spec, with_serving_overhead
 from app.sim.cluster import derive
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -116,7 +118,7 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
     steps = {RoleName(role): [StepSample(**s) for s in samples] for role, samples in doc["roles"].items()}
     if host_sharing and any(s.start_s is None for samples in steps.values() for s in samples):
         raise SystemExit(f"{path}: steps without start times: run bench/pipelines.py again, or pass --no-host-sharing")
-    fits = scale_to_steps(base, steps, host_sharing=host_sharing)
+    fits = fit_to_app_steps(base, steps, host_sharing=host_sharing)
     if short := [role for role, fit in fits.items() if fit.factor is None]:
         raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
     overheads = doc.get("serving_overhead_ms") or []
@@ -129,8 +131,8 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", choices=("app", "idle", "run"), default="app",
-                    help="app: the engine-alone model scaled per role to the steps bench/pipelines.py timed in each mode's calibration "
-                         "replay; idle: the engine-alone model; run: scaled to the steps of the very run compared (in-sample: what "
+                    help="app: the engine-alone model fitted per role to the steps bench/pipelines.py timed in each mode's calibration "
+                         "replay; idle: the engine-alone model; run: fitted to the steps of the very run compared (in-sample: what "
                          "is left when the step times are right)")
     ap.add_argument("--base", type=Path, help="the engine-alone model JSON (default: measure a real engine now)")
     ap.add_argument("--perf", type=Path, help="a step-time model JSON used as is for every mode (app/sim/perf.py load_perf)")
@@ -148,6 +150,8 @@ def main() -> None:
 
     base = with_model_spec(parse_config(bench_args()))
     perfs: dict[Mode, FittedPerf | dict[str, FittedPerf]] = {}
+    one_factor: dict[Mode, dict[str, FittedPerf]] = {}
+    """The same calibration with one factor per role (the baseline host sharing is compared with)."""
     if a.perf is not None:
         perfs = dict.fromkeys(modes, load_perf(a.perf))
         console.print(f"model from {a.perf}")
@@ -169,6 +173,8 @@ def main() -> None:
             for mode in modes:
                 models, fits, overheads = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", a.host_sharing)
                 perfs[mode] = models
+                if a.host_sharing:
+                    one_factor[mode] = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", False)[0]
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
                 console.print(f"{mode.value}: fitted per role to the engines' steps in its {source}: "
                               + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
@@ -178,33 +184,53 @@ def main() -> None:
 
     real: dict[str, dict] = {}
     twin: dict[str, dict] = {}
-    ttfts: dict[str, tuple[list[float], list[float]]] = {}
+    baseline: dict[str, dict] = {}
+    ttfts: dict[str, dict[str, list[float]]] = {}
+    """Per mode: TTFTs at the conductor, real and twin."""
+
+    def twin_figures(sim) -> dict:
+        ttft = [r.ttft_s * 1000 for r in sim]
+        return figures(ttft, ttft, [r.tpot_s * 1000 for r in sim if r.output_tokens > 1], [r.max_gap_s * 1000 for r in sim if r.output_tokens > 1],
+                       [r.pipeline.value for r in sim], sum(r.wan_bytes for r in sim))
+
     for mode in modes:
         mine = rows[mode.value]
-        sim = simulate(derive(base, mode=mode), list(read_trace(trace_path(mode.value))), perfs[mode], a.seed).records()
+        trace = list(read_trace(trace_path(mode.value)))
+        sim = simulate(derive(base, mode=mode), trace, perfs[mode], a.seed).records()
+        ttfts[mode.value] = {"twin": [r.ttft_s * 1000 for r in sim]}
+        if mode in one_factor:
+            sim_one = simulate(derive(base, mode=mode), trace, one_factor[mode], a.seed).records()
+            baseline[mode.value] = twin_figures(sim_one)
+            ttfts[mode.value]["twin, one factor"] = [r.ttft_s * 1000 for r in sim_one]
         real_ttft = [float(r["ttft_ms"]) for r in mine]
         server = [x for r in mine if (x := _number(r.get("server_ttft_ms"))) is not None]
         real[mode.value] = figures(real_ttft, server, [x for r in mine if (x := _number(r["tpot_ms"])) is not None],
                                    [float(r["max_gap_ms"]) for r in mine], [r["pipeline"] for r in mine],
                                    sum(float(r["wan_bytes"] or 0) for r in mine))
-        twin_ttft = [r.ttft_s * 1000 for r in sim]
-        twin[mode.value] = figures(twin_ttft, twin_ttft, [r.tpot_s * 1000 for r in sim if r.output_tokens > 1],
-                                   [r.max_gap_s * 1000 for r in sim if r.output_tokens > 1],
-                                   [r.pipeline.value for r in sim], sum(r.wan_bytes for r in sim))
-        ttfts[mode.value] = (server, twin_ttft)
-    rel = {mode: {k: twin[mode][k] / real[mode][k] - 1 for k, _ in FIGURES if real[mode][k]} for mode in real}
+        twin[mode.value] = twin_figures(sim)
+        ttfts[mode.value]["real"] = server
+
+    def rel_to_real(figs: dict[str, dict]) -> dict[str, dict]:
+        return {mode: {k: figs[mode][k] / real[mode][k] - 1 for k, _ in FIGURES if real[mode][k]} for mode in figs}
+
+    rel, rel_baseline = rel_to_real(twin), rel_to_real(baseline)
 
     calibration = "--perf" if a.perf is not None else a.calibration
     table = Table(title=f"twin vs real, same traces as bench/pipelines.py's run (twin: CPU step models, calibration: {calibration})")
-    for col in ("mode", "figure", "real", "twin", "twin / real - 1"):
+    for col in ("mode", "figure", "real", "twin", "twin / real - 1") + (("twin, one factor per role", "/ real - 1") if baseline else ()):
         table.add_column(col, justify="right")
+
+    def pipelines(figs: dict) -> str:
+        return ", ".join(f"{p} {n}" for p, n in sorted(figs["pipelines"].items()))
+
     for mode in real:
         for k, label in FIGURES:
             if k == "wan_mb" and not real[mode][k] and not twin[mode][k]:
                 continue
-            table.add_row(mode, label, f"{real[mode][k]:.1f}", f"{twin[mode][k]:.1f}", f"{rel[mode].get(k, float('nan')):+.0%}")
-        table.add_row(mode, "pipelines", ", ".join(f"{p} {n}" for p, n in sorted(real[mode]["pipelines"].items())),
-                      ", ".join(f"{p} {n}" for p, n in sorted(twin[mode]["pipelines"].items())), "", end_section=True)
+            extra = (f"{baseline[mode][k]:.1f}", f"{rel_baseline[mode].get(k, float('nan')):+.0%}") if baseline else ()
+            table.add_row(mode, label, f"{real[mode][k]:.1f}", f"{twin[mode][k]:.1f}", f"{rel[mode].get(k, float('nan')):+.0%}", *extra)
+        table.add_row(mode, "pipelines", pipelines(real[mode]), pipelines(twin[mode]), "", *((pipelines(baseline[mode]), "") if baseline else ()),
+                      end_section=True)
     console.print(table)
     pdd = rel[Mode.pdd.value]
     ok = all(abs(pdd[k]) <= 0.2 for k in ("server_ttft_p50", "server_ttft_p90"))
@@ -215,10 +241,11 @@ def main() -> None:
         import numpy as np
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for mode, (real_ttft, twin_ttft) in ttfts.items():
-            for label, values, style in (("real", real_ttft, "-"), ("twin", twin_ttft, "--")):
+        styles = {"real": "-", "twin": "--", "twin, one factor": ":"}
+        for mode, series in ttfts.items():
+            for label, values in series.items():
                 xs = np.sort(values)
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), style, label=f"{mode} {label}")
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), styles[label], label=f"{mode} {label}")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT at the conductor (ms)")
         ax.set_ylabel("share of requests")
@@ -229,9 +256,11 @@ def main() -> None:
 
     summary = {"real": real, "twin": twin, "ttft_p50_rel_err": abs(pdd["server_ttft_p50"]), "ttft_p90_rel_err": abs(pdd["server_ttft_p90"]),
                "client_ttft_p50_rel_err": abs(pdd["ttft_p50"]), "client_ttft_p90_rel_err": abs(pdd["ttft_p90"]),
-               "rel": rel, "calibration": calibration, "goal_met": ok,
+               "rel": rel, "calibration": calibration, "host_sharing": bool(baseline), "goal_met": ok,
+               "twin_one_factor": baseline, "rel_one_factor": rel_baseline,
                "perf": {mode.value: ({r: m.__dict__ for r, m in p.items()} if isinstance(p, dict) else p.__dict__) for mode, p in perfs.items()}}
-    out_rows = [{"mode": mode, "figure": k, "real": real[mode][k], "twin": twin[mode][k], "rel": rel[mode].get(k)}
+    out_rows = [{"mode": mode, "figure": k, "real": real[mode][k], "twin": twin[mode][k], "rel": rel[mode].get(k),
+                 **({"twin_one_factor": baseline[mode][k], "rel_one_factor": rel_baseline[mode].get(k)} if baseline else {})}
                 for mode in real for k, _ in FIGURES]
     csv_path = write_outputs("sim_vs_real", out_rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")

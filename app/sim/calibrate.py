@@ -25,7 +25,7 @@ Steps of an idle engine run faster than the same steps while the app serves,
 where the other engines, the conductor, the link emulators and the clients
 share the host. So a second step sets the level from steps timed inside the
 serving engines (`engine.record_steps`, app/kv/steps.py): `take_app_steps`
-collects them from a running app, and `scale_to_steps` fits the model of the
+collects them from a running app, and `fit_to_app_steps` fits the model of the
 engine measured alone to them, per role. How much slower a step runs depends
 on how many other engines of the host are busy meanwhile: each step carries
 its start time, `busy_neighbors` counts the other engines in flight over it,
@@ -80,7 +80,7 @@ PREFIX_SHAPES = ((2048, 64), (4096, 64), (6144, 256), (4096, 1024), (2048, 2048)
 DECODE_SHAPES = ((1, 256), (1, 4096), (4, 256), (4, 2048), (8, 1024), (16, 512), (16, 2048))
 DECODE_TOKENS = 48
 REPEATS = 2
-#: Fewest timed steps a role's factor is taken from (`scale_to_steps`).
+#: Fewest timed steps a role's factor is taken from (`fit_to_app_steps`).
 MIN_APP_STEPS = 20
 
 
@@ -350,7 +350,7 @@ class RoleFit(NamedTuple):
                 f"neighbor ({self.neighbors:.2f} busy on average)")
 
 
-def scale_to_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
+def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
                    min_steps: int = MIN_APP_STEPS, host_sharing: bool = True) -> dict[str, RoleFit]:
     """`base` fitted per role to the steps that role's engines took (keyed by
     role name, as the twin's `perf` takes the models).

@@ -180,14 +180,14 @@ def calibrate(
             base_model = load_perf(base)
             if not isinstance(base_model, FittedPerf):
                 raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
-            scaled, samples = _scale_from_app(base_model, from_app, address)
+            fits, samples = _fit_from_app(base_model, from_app, address)
             overheads = app_serving_overheads(url, config.mode)
-            models = with_serving_overhead({role: fit.model for role, fit in scaled.items()}, config.mode, overheads)
+            models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
             text = roles_to_json(models)
             summary = "\n".join(
                 f"{role}: {len(samples[role])} timed steps, {fit.describe()}" if fit.factor is not None else
                 f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
-                for role, fit in scaled.items())
+                for role, fit in fits.items())
             entry = entry_role(config.mode).value
             summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request (median of {len(overheads)} "
                         f"{config.mode.value} requests' TTFT outside the engine replicas), on {entry}'s model" if overheads else
@@ -209,7 +209,7 @@ def calibrate(
     console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
 
 
-def _scale_from_app(base: FittedPerf, app_name: str, address: str | None):
+def _fit_from_app(base: FittedPerf, app_name: str, address: str | None):
     """`base` fitted per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
     import os
 
@@ -218,7 +218,7 @@ def _scale_from_app(base: FittedPerf, app_name: str, address: str | None):
     os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
     import ray
 
-    from app.sim.calibrate import scale_to_steps, take_app_steps
+    from app.sim.calibrate import fit_to_app_steps, take_app_steps
 
     address = address or recorded_address()
     if address is None:
@@ -230,7 +230,7 @@ def _scale_from_app(base: FittedPerf, app_name: str, address: str | None):
         ray.shutdown()
     if not steps:
         raise ValueError(f"no engine replica of Serve app {app_name!r} is running on {address}")
-    return scale_to_steps(base, steps), {role.value: samples for role, samples in steps.items()}
+    return fit_to_app_steps(base, steps), {role.value: samples for role, samples in steps.items()}
 
 
 if __name__ == "__main__":

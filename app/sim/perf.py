@@ -109,7 +109,7 @@ class FittedPerf:
     """On a host whose engines share the CPU (the CPU dev cluster): each other
     engine busy while a step runs makes the step this fraction longer (the rest
     of the model is the engine with no busy neighbor). Fitted from the serving
-    app's timed steps (app/sim/calibrate.py `fit_host_sharing`); 0 for an engine
+    app's timed steps (app/sim/calibrate.py `fit_to_app_steps`); 0 for an engine
     with its own accelerator. The twin puts every replica on one host when a
     model has it (app/sim/cluster.py). `scaled` keeps it."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from collections import Counter
 
 import openai
@@ -16,6 +17,7 @@ import pytest
 
 from app.config import RoleName
 from app.faults import Faults
+from app.roles import DEPLOYMENT_NAMES
 from app.sim.calibrate import serving_overhead_ms, take_app_steps
 from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
@@ -63,8 +65,6 @@ def fresh(n: int) -> list[int]:
 
 def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
     """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
@@ -78,8 +78,6 @@ def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
 
 
 def wait_for_md_report(app, request_id: str, timeout_s: float = 60) -> dict:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         journey = app.journey(request_id)
@@ -205,8 +203,6 @@ def test_conversations_stick_to_one_md_and_md_keeps_up_with_p(app):
 def _steps_until(app, done, timeout_s: float = 10.0) -> dict:
     """Engines' timed steps (taken from every replica) until `done(steps)`: a step's
     report travels with the engine's stats, a moment after its outputs."""
-    import time
-
     steps = {role: [] for role in RoleName}
     deadline = time.monotonic() + timeout_s
     while True:
@@ -244,6 +240,12 @@ def test_engines_time_their_steps_in_the_twins_terms(app):
     assert want <= shapes(steps), shapes(steps)
     assert all(0 < s.step_ms < 10_000 for s in steps[RoleName.main_decode])
     assert not steps[RoleName.prefill] and not steps[RoleName.relay_decode]
+    # start times are on this host's monotonic clock, which every process shares, and name their replica
+    timed = sorted(steps[RoleName.main_decode], key=lambda s: s.start_s)
+    assert all(0 < time.monotonic() - s.start_s < 120 for s in timed)
+    assert {s.engine for s in timed} <= set(Faults(app.name).replicas(DEPLOYMENT_NAMES[RoleName.main_decode])) and all(s.engine for s in timed)
+    one_engine = [s for s in timed if s.engine == timed[-1].engine]
+    assert all(a.start_s + a.step_ms / 1000 <= b.start_s + 1e-6 for a, b in zip(one_engine, one_engine[1:]))  # one engine's steps follow each other
 
     completion(app, fresh(900), 4, mode="pdd")
     steps = _steps_until(app, lambda steps: any(s.prefill_tokens == 900 for s in steps[RoleName.prefill]))

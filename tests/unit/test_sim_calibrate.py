@@ -17,7 +17,7 @@ from app.cli import main as pdd
 from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
-from app.sim.calibrate import (_Prompts, app_serving_overheads, busy_neighbors, model_spec_from_folder, scale_to_steps, serving_overhead_ms,
+from app.sim.calibrate import (_Prompts, app_serving_overheads, busy_neighbors, model_spec_from_folder, fit_to_app_steps, serving_overhead_ms,
                                with_model_spec, with_serving_overhead)
 from app.sim.perf import FittedPerf, StepSample
 
@@ -80,15 +80,15 @@ def _steps(slowdown: float, count: int) -> list[StepSample]:
 
 
 def test_each_role_gets_the_model_alone_scaled_to_the_time_its_steps_took():
-    scaled = scale_to_steps(ALONE, {RoleName.prefill: [], RoleName.relay_decode: _steps(1.7, 40), RoleName.main_decode: _steps(1.2, 40)})
-    assert set(scaled) == {"relay_decode", "main_decode"}  # prefill took no step: not serving in this mode
-    models = {role: fit.model for role, fit in scaled.items()}
+    fits = fit_to_app_steps(ALONE, {RoleName.prefill: [], RoleName.relay_decode: _steps(1.7, 40), RoleName.main_decode: _steps(1.2, 40)})
+    assert set(fits) == {"relay_decode", "main_decode"}  # prefill took no step: not serving in this mode
+    models = {role: fit.model for role, fit in fits.items()}
     for role, slowdown in (("relay_decode", 1.7), ("main_decode", 1.2)):
         steps = _steps(slowdown, 40)
         total = math.fsum(models[role].step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) * 1000 for s in steps)
         assert total == pytest.approx(math.fsum(s.step_ms for s in steps), rel=1e-9)
-        factor = scaled[role].factor
-        assert (factor, scaled[role].neighbors) == (pytest.approx(slowdown, rel=0.1), None)  # untimed steps: one factor  # the +-30% scatter averages out
+        factor = fits[role].factor
+        assert (factor, fits[role].neighbors) == (pytest.approx(slowdown, rel=0.1), None)  # untimed steps: one factor; the +-30% scatter averages out
         assert models[role].__dict__ == pytest.approx(ALONE.scaled(factor).__dict__)  # the shape is the engine alone's
 
 
@@ -115,29 +115,29 @@ def test_host_sharing_recovers_the_slowdown_alone_and_per_busy_neighbor():
         busy = i % 2 == 0
         prefill.append(replace(s, step_ms=alone * (1.3 + 0.5 * busy), start_s=10.0 * i + (0.1 if busy else 6.0), engine="p"))
         relay += [_timed("r", 10.0 * i + j, 1000) for j in range(5)]
-    fits = scale_to_steps(ALONE, {RoleName.prefill: prefill, RoleName.relay_decode: relay})
+    fits = fit_to_app_steps(ALONE, {RoleName.prefill: prefill, RoleName.relay_decode: relay})
     p = fits["prefill"]
     assert (p.factor, p.neighbor_slowdown) == (pytest.approx(1.3, rel=1e-6), pytest.approx(0.5 / 1.3, rel=1e-6))
     assert 0 < p.neighbors < 1
     assert p.model == replace(ALONE.scaled(p.factor), neighbor_slowdown=p.neighbor_slowdown)
     assert "1.30x the engine alone with no busy neighbor engine, +38% per busy neighbor" in p.describe()
-    plain = scale_to_steps(ALONE, {RoleName.prefill: prefill, RoleName.relay_decode: relay}, host_sharing=False)["prefill"]
+    plain = fit_to_app_steps(ALONE, {RoleName.prefill: prefill, RoleName.relay_decode: relay}, host_sharing=False)["prefill"]
     assert (plain.neighbor_slowdown, plain.neighbors) == (0.0, None) and 1.3 < plain.factor < 1.8
 
 
 def test_an_engine_alone_on_its_host_or_steps_without_start_times_get_one_factor():
     alone_on_host = [replace(s, start_s=float(i), engine="c") for i, s in enumerate(_steps(1.5, 30))]
-    fit = scale_to_steps(ALONE, {RoleName.prefill: alone_on_host})["prefill"]
+    fit = fit_to_app_steps(ALONE, {RoleName.prefill: alone_on_host})["prefill"]
     assert (fit.factor, fit.neighbor_slowdown, fit.neighbors) == (pytest.approx(1.5, rel=0.1), 0.0, 0.0)
-    assert scale_to_steps(ALONE, {RoleName.prefill: _steps(1.5, 30)})["prefill"].neighbors is None
+    assert fit_to_app_steps(ALONE, {RoleName.prefill: _steps(1.5, 30)})["prefill"].neighbors is None
 
 
 def test_a_role_with_too_few_steps_keeps_the_model_alone_and_none_at_all_say_what_to_switch_on():
-    scaled = scale_to_steps(ALONE, {RoleName.main_decode: _steps(2.0, 30), RoleName.relay_decode: _steps(2.0, 5)})
-    assert scaled["relay_decode"][:2] == (ALONE, None)
-    assert scaled["main_decode"].factor == pytest.approx(2.0, rel=0.1)
+    fits = fit_to_app_steps(ALONE, {RoleName.main_decode: _steps(2.0, 30), RoleName.relay_decode: _steps(2.0, 5)})
+    assert fits["relay_decode"][:2] == (ALONE, None)
+    assert fits["main_decode"].factor == pytest.approx(2.0, rel=0.1)
     with pytest.raises(ValueError, match="record_steps"):
-        scale_to_steps(ALONE, {RoleName.main_decode: []})
+        fit_to_app_steps(ALONE, {RoleName.main_decode: []})
 
 
 def test_serving_overhead_is_ttft_outside_the_engines_the_first_token_waited_for():
