@@ -351,7 +351,7 @@ class RoleFit(NamedTuple):
 
 
 def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
-                   min_steps: int = MIN_APP_STEPS, host_sharing: bool = True) -> dict[str, RoleFit]:
+                     min_steps: int = MIN_APP_STEPS, host_sharing: bool = True) -> dict[str, RoleFit]:
     """`base` fitted per role to the steps that role's engines took (keyed by
     role name, as the twin's `perf` takes the models).
 
