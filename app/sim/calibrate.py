@@ -382,7 +382,7 @@ def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSam
             fits[role.value] = RoleFit(base.scaled(factor), factor)
             continue
         k = neighbors[role]
-        s0, s1 = _fit_slowdown(measured, alone, k)
+        s0, s1 = _fit_slowdown(measured, alone, k) or (factor, 0.0)
         mean_k = math.fsum(m * x for m, x in zip(measured, k)) / math.fsum(measured)
         fits[role.value] = RoleFit(replace(base.scaled(s0), neighbor_slowdown=s1 / s0), s0, s1 / s0, mean_k)
     if not fits:
@@ -390,15 +390,13 @@ def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSam
     return fits
 
 
-def _fit_slowdown(measured: Sequence[float], alone: Sequence[float], neighbors: Sequence[float]) -> tuple[float, float]:
-    """(s0, s1) of measured ~ alone x (s0 + s1 x neighbors), least squares, s0 > 0, s1 >= 0."""
+def _fit_slowdown(measured: Sequence[float], alone: Sequence[float], neighbors: Sequence[float]) -> tuple[float, float] | None:
+    """(s0, s1) of measured ~ alone x (s0 + s1 x neighbors), least squares; None when the neighbors
+    have no measurable effect (none was ever busy, s1 < 0, or a degenerate spread gives s0 <= 0)."""
     import numpy as np
 
     if not any(neighbors):
-        return math.fsum(measured) / math.fsum(alone), 0.0
-    y = np.asarray(measured)
+        return None
     x = np.stack([np.asarray(alone), np.asarray(alone) * np.asarray(neighbors)], axis=1)
-    (s0, s1), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if s1 < 0 or s0 <= 0:  # no measurable effect of the neighbors (or a degenerate spread): one factor
-        return float(y.sum() / x[:, 0].sum()), 0.0
-    return float(s0), float(s1)
+    (s0, s1), *_ = np.linalg.lstsq(x, np.asarray(measured), rcond=None)
+    return (float(s0), float(s1)) if s1 >= 0 and s0 > 0 else None
