@@ -23,13 +23,15 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from app.config import ConfigError, Mode, PDDConfig, RoleName, load_config
+from pydantic import ValidationError
+
+from app.config import ConfigError, Mode, PDDConfig, RoleName, format_validation_error, load_config
 from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive, entry_role
 from app.sim.perf import FittedPerf
 from app.sim.report import Summary, plot_bathtub, plot_ttft_cdf, summary_table
 from app.sim.run import SimRun, Workload, agentic_at, goodput_search, hit_sweep, scaled, simulate
-from app.sim.workload import AgenticWorkload, read_trace
+from app.sim.workload import AgenticWorkload, check_window, fitted_to_window, read_trace
 
 console = Console()
 cli = typer.Typer(help="Digital twin: simulate a serve config at datacenter scale.", no_args_is_help=True)
@@ -37,18 +39,31 @@ cli = typer.Typer(help="Digital twin: simulate a serve config at datacenter scal
 HIT_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
-def _workload(spec: str, rps: float, requests: int, seed: int) -> tuple[AgenticWorkload | None, Workload]:
+def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: int) -> tuple[AgenticWorkload | None, Workload]:
     """(generator settings or None for a trace, what to simulate)."""
+    def settings(fields: dict, source: str) -> AgenticWorkload:
+        try:
+            return AgenticWorkload.model_validate({"requests": requests, "rps": rps, "seed": seed, **fields})
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err).replace("invalid configuration", f"invalid workload ({source})")) from None
+
     if spec == "agentic":
-        w = AgenticWorkload(requests=requests, rps=rps, seed=seed)
+        w = fitted_to_window(settings({}, "options"), max_model_len)
         return w, w
     path = Path(spec)
     if path.suffix in (".yaml", ".yml", ".json"):
         import yaml
 
-        w = AgenticWorkload.model_validate({"requests": requests, "rps": rps, "seed": seed, **(yaml.safe_load(path.read_text()) or {})})
+        fields = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path}: expected a mapping of AgenticWorkload fields, got a {type(fields).__name__}")
+        w = settings(fields, str(path))
+        check_window(w, max_model_len)
         return w, w
-    return None, path
+    trace = list(read_trace(path))
+    if not trace:
+        raise ValueError(f"{path}: the trace holds no requests")
+    return None, trace
 
 
 def _run(config: PDDConfig, workload: Workload, total: int, perf, seed: int, label: str) -> SimRun:
@@ -79,19 +94,19 @@ def sim(
 ) -> None:
     """Simulate CONFIG on a workload; print TTFT/TPOT percentiles, SLA goodput, cost, BCR, WAN use."""
     try:
+        if not 0 <= warmup < 1:
+            raise ValueError(f"--warmup: {warmup:g} is not a share of the run in [0, 1)")
         config = load_config(config_path)
         if mode is not None:
             config = derive(config, mode=mode)
         configs = [config] + [derive(config, mode=m) for m in compare if m is not config.mode]
-        template, wl = _workload(workload, rps, requests, seed)
+        template, wl = _workload(workload, rps, requests, seed, config.model.max_model_len)
         perf_model = None
         if perf is not None:
             from app.sim.perf import load_perf
 
             perf_model = load_perf(perf)
             configs = [with_model_spec(c) for c in configs]
-        if template is None:
-            wl = list(read_trace(wl))
         runs = []
         for c in configs:
             total = len(wl) if isinstance(wl, list) else requests

@@ -64,6 +64,7 @@ class Twin(PDDPipelines):
         self.cluster: SimCluster = build_cluster(config, self.loop, self.mode, perf, seed)
         spec = model_spec(config)
         self.block = config.model.block_size
+        self.window = config.model.max_model_len
         self.block_bytes = spec.kv_bytes_per_token * self.block
         self.routing = config.routing
         self.handoff = config.handoff
@@ -120,6 +121,9 @@ class Twin(PDDPipelines):
         return self.results
 
     def _arrive(self, req: Request) -> None:
+        if req.prompt_tokens + req.output_tokens > self.window:  # the real API refuses it
+            raise ValueError(f"request of session {req.session!r} arriving at {req.arrival_s:g} s: prompt_tokens + output_tokens "
+                             f"({req.prompt_tokens} + {req.output_tokens}) exceed the model's window (model.max_model_len {self.window})")
         nxt = next(self._arrivals, None)
         if nxt is not None:
             self.loop.at(nxt.arrival_s, self._arrive, nxt)

@@ -20,7 +20,7 @@ from typing import Any
 from app.config import LiveKnobs, PDDConfig, RoleName
 from app.sim.cluster import SimConfigError, cost_per_hour, derive
 from app.sim.run import simulate
-from app.sim.workload import AgenticWorkload
+from app.sim.workload import AgenticWorkload, fitted_to_window
 
 #: Requests per what-if: enough turns for the caches to settle, fast enough for an agent tick.
 REQUESTS = 3000
@@ -49,14 +49,7 @@ class WhatIfAnswer:
 
 def workload_for(config: PDDConfig, load_rps: float, requests: int = REQUESTS, seed: int = 0) -> AgenticWorkload:
     """The default agentic mix, its contexts fitted into the served model's window."""
-    base = AgenticWorkload()
-    window = min(base.max_context_tokens, config.model.max_model_len * 7 // 8)
-    return base.model_copy(update={
-        "requests": requests, "rps": load_rps, "seed": seed, "max_context_tokens": window,
-        "first_prompt_median": max(1, min(base.first_prompt_median, window // 2)),
-        "output_max": max(1, min(base.output_max, config.model.max_model_len - window)),
-        "output_median": max(1, min(base.output_median, (config.model.max_model_len - window) // 4)),
-    })
+    return fitted_to_window(AgenticWorkload(requests=requests, rps=load_rps, seed=seed), config.model.max_model_len)
 
 
 def what_if(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_rps: float,

@@ -20,6 +20,10 @@ Trace format (one JSON object per line, in arrival order):
   invalidates cached blocks past that point.
 - `output_tokens`: tokens generated (the request's max_tokens; ignore_eos).
 
+Other keys are ignored. A request longer than the served model's window
+(prompt plus output over `model.max_model_len`) is refused, as the real API
+refuses it.
+
 The generator's hit rate of a turn is prefix_tokens / prompt_tokens: what a
 cache that kept the whole conversation would hit.
 """
@@ -36,7 +40,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Request(NamedTuple):
@@ -67,7 +71,7 @@ class AgenticWorkload(BaseModel):
     a turn arriving before its predecessor finished finds less in the caches.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     requests: Annotated[int, Field(gt=0)] = 2000
     rps: Annotated[float, Field(gt=0)] = 1.0
     seed: int = 0
@@ -172,25 +176,66 @@ def agentic_requests(w: AgenticWorkload) -> Iterator[Request]:
         emitted += 1
 
 
+def fitted_to_window(w: AgenticWorkload, max_model_len: int) -> AgenticWorkload:
+    """`w` with its contexts and outputs shrunk into a model window of `max_model_len`
+    tokens (prompt plus output): contexts to 7/8 of it, outputs to the rest."""
+    window = min(w.max_context_tokens, max_model_len * 7 // 8)
+    return w.model_copy(update={
+        "max_context_tokens": window,
+        "first_prompt_median": max(1, min(w.first_prompt_median, window // 2)),
+        "output_max": max(1, min(w.output_max, max_model_len - window)),
+        "output_median": max(1, min(w.output_median, (max_model_len - window) // 4)),
+    })
+
+
+def check_window(w: AgenticWorkload, max_model_len: int) -> None:
+    """Raise ValueError when `w` can draw a request longer than the model's window."""
+    if w.max_context_tokens + w.output_max > max_model_len:
+        raise ValueError(f"workload: max_context_tokens + output_max ({w.max_context_tokens} + {w.output_max}) exceed the model's "
+                         f"window (model.max_model_len {max_model_len}): lower them")
+
+
 def fixed_hit(w: AgenticWorkload, hit: float) -> AgenticWorkload:
     """The same sessions with every follow-up turn at one hit rate (the bathtub sweep)."""
     return w.model_copy(update={"hit_bands": [HitBand(weight=1.0, low=hit, high=hit)]})
 
 
+class TraceRecord(BaseModel):
+    """One line of a trace file (fields as in the module's docstring; other keys are ignored)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+    arrival_s: Annotated[float, Field(ge=0)]
+    session: int | str
+    prompt_tokens: Annotated[int, Field(ge=1)]
+    prefix_tokens: Annotated[int, Field(ge=0)]
+    output_tokens: Annotated[int, Field(ge=1)]
+
+    @model_validator(mode="after")
+    def _prefix_within_prompt(self) -> "TraceRecord":
+        if self.prefix_tokens > self.prompt_tokens:
+            raise ValueError(f"prefix_tokens: {self.prefix_tokens} is more than prompt_tokens ({self.prompt_tokens})")
+        return self
+
+
 def read_trace(path: str | Path) -> Iterator[Request]:
+    """The trace's requests; a bad line raises ValueError naming the line and the field."""
     last = -math.inf
     with Path(path).open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            d = json.loads(line)
-            r = Request(float(d["arrival_s"]), d["session"], int(d["prompt_tokens"]), int(d["prefix_tokens"]), int(d["output_tokens"]))
-            if r.arrival_s < last:
-                raise ValueError(f"{path}:{n}: arrivals must not go back in time")
-            if r.prompt_tokens < 1 or r.output_tokens < 1 or not 0 <= r.prefix_tokens <= r.prompt_tokens:
-                raise ValueError(f"{path}:{n}: need prompt_tokens >= 1, output_tokens >= 1, 0 <= prefix_tokens <= prompt_tokens")
-            last = r.arrival_s
-            yield r
+            try:
+                d = TraceRecord.model_validate_json(line)
+            except ValidationError as err:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" if e["loc"]
+                    else e["msg"].removeprefix("Value error, ")
+                    for e in err.errors())
+                raise ValueError(f"{path}:{n}: {problems}") from None
+            if d.arrival_s < last:
+                raise ValueError(f"{path}:{n}: arrival_s {d.arrival_s:g} is before the previous line's ({last:g}): arrivals must not go back in time")
+            last = d.arrival_s
+            yield Request(d.arrival_s, d.session, d.prompt_tokens, d.prefix_tokens, d.output_tokens)
 
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> int:

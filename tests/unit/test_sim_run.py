@@ -13,7 +13,7 @@ from app.config import Mode
 from app.sim import AgenticWorkload, Request, goodput_search, read_trace, simulate, write_trace
 from app.sim.cluster import cost_per_hour, derive
 from app.sim.run import agentic_at
-from app.sim.workload import fixed_hit, hit_rate
+from app.sim.workload import check_window, fitted_to_window, fixed_hit, hit_rate
 from tests.unit.test_sim_twin import tiny_args, tiny_config
 
 SMALL = AgenticWorkload(requests=400, rps=2.0, seed=3, first_prompt_median=3000, max_context_tokens=16000,
@@ -59,6 +59,49 @@ def test_trace_fields_are_checked(tmp_path):
     path.write_text("".join(json.dumps({"arrival_s": t, "session": 1, "prompt_tokens": 10, "prefix_tokens": 0, "output_tokens": 1}) + "\n" for t in (2, 1)))
     with pytest.raises(ValueError, match="back in time"):
         list(read_trace(path))
+
+
+GOOD_LINE = {"arrival_s": 0.5, "session": "c1", "prompt_tokens": 100, "prefix_tokens": 0, "output_tokens": 8}
+
+
+@pytest.mark.parametrize(("line", "named"), [
+    ("not json", "Invalid JSON"),
+    ("[1, 2]", "object"),
+    (json.dumps({k: v for k, v in GOOD_LINE.items() if k != "session"}), "session: Field required"),
+    (json.dumps({**GOOD_LINE, "prompt_tokens": "many"}), "prompt_tokens"),
+    (json.dumps({**GOOD_LINE, "output_tokens": 0}), "output_tokens"),
+    (json.dumps({**GOOD_LINE, "arrival_s": -1}), "arrival_s"),
+    ('{"arrival_s": NaN, "session": 1, "prompt_tokens": 10, "prefix_tokens": 0, "output_tokens": 1}', "arrival_s: Input should be a finite number"),
+])
+def test_a_bad_trace_line_is_named_with_its_field(tmp_path, line, named):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD_LINE) + "\n\n" + line + "\n")
+    with pytest.raises(ValueError) as err:
+        list(read_trace(path))
+    assert str(err.value).startswith(f"{path}:3: ") and named in str(err.value)
+
+
+def test_trace_lines_may_carry_other_keys(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({**GOOD_LINE, "model": "x", "user": 7}) + "\n")
+    assert list(read_trace(path)) == [Request(0.5, "c1", 100, 0, 8)]
+
+
+def test_a_request_longer_than_the_model_window_is_refused():
+    config = tiny_config("pdd")
+    window = config.model.max_model_len
+    simulate(config, [Request(0.0, 1, window - 10, 0, 10)])  # fits exactly
+    with pytest.raises(ValueError, match=f"exceed the model's window \\(model.max_model_len {window}\\)"):
+        simulate(config, [Request(0.0, 1, 100, 0, 10), Request(1.0, 2, window - 10, 0, 11)])
+
+
+def test_the_default_mix_is_fitted_into_a_small_window():
+    w = fitted_to_window(SMALL.model_copy(update={"max_context_tokens": 65_536, "output_max": 4096}), 8192)
+    check_window(w, 8192)
+    assert all(r.prompt_tokens + r.output_tokens <= 8192 for r in w.generate())
+    assert fitted_to_window(AgenticWorkload(), 131_072) == AgenticWorkload()  # a large window changes nothing
+    with pytest.raises(ValueError, match=r"max_context_tokens \+ output_max \(65536 \+ 4096\).*max_model_len 8192"):
+        check_window(AgenticWorkload(), 8192)
 
 
 def test_turns_of_a_conversation_wait_for_each_other():
@@ -161,6 +204,29 @@ def test_cli_names_a_missing_spec(tmp_path):
     path.write_text(yaml.safe_dump(args))
     result = CliRunner().invoke(cli, [str(path), "--requests", "10"])
     assert result.exit_code == 2 and "model.spec" in result.output
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--warmup", "1"], "--warmup: 1 is not a share"),
+    (["--rps", "inf"], "rps: Input should be a finite number"),
+    (["--workload", "EMPTY"], "the trace holds no requests"),
+    (["--workload", "LIST"], "expected a mapping of AgenticWorkload fields"),
+    (["--workload", "BADFIELD"], "turns_min: Input should be greater than or equal to 1"),
+])
+def test_cli_names_bad_options_and_workloads(tmp_path, args, named):
+    from app.sim.cli import cli
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_args()))
+    files = {"EMPTY": ("empty.jsonl", "\n"), "LIST": ("list.yaml", "- 1\n"), "BADFIELD": ("bad.yaml", "turns_min: 0\n")}
+    for i, a in enumerate(args):
+        if a in files:
+            name, text = files[a]
+            (tmp_path / name).write_text(text)
+            args[i] = str(tmp_path / name)
+    result = CliRunner().invoke(cli, [str(config), "--requests", "10", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert named in " ".join(result.output.split())
 
 
 def test_pdd_command_has_sim():
