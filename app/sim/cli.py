@@ -99,8 +99,10 @@ def sim(
         config = load_config(config_path)
         if mode is not None:
             config = derive(config, mode=mode)
-        configs = [config] + [derive(config, mode=m) for m in compare if m is not config.mode]
+        configs = [config] + [derive(config, mode=m) for m in dict.fromkeys(compare) if m is not config.mode]
         template, wl = _workload(workload, rps, requests, seed, config.model.max_model_len)
+        if search and template is None and wl[-1].arrival_s <= wl[0].arrival_s:
+            raise ValueError(f"--search replays the trace faster and slower: {workload}'s requests all arrive at one time")
         perf_model = None
         if perf is not None:
             from app.sim.perf import load_perf

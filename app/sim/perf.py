@@ -40,9 +40,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from app.config import AcceleratorSpec, ModelSpec
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+
+from app.config import AcceleratorSpec, ModelSpec, RoleName
 
 
 class PerfModel(Protocol):
@@ -94,18 +96,20 @@ class Roofline:
 class FittedPerf:
     """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read + e*attention_pairs (all >= 0)."""
 
-    a_ms: float
-    b_ms_per_prefill_token: float
-    c_ms_per_decode_seq: float
-    d_ms_per_kv_token: float
-    e_ms_per_attention_pair: float = 0.0
-    serving_overhead_ms: float = 0.0
+    # read by pydantic where a file is loaded (`load_perf`); the twin's hot path builds none
+    __pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)
+    a_ms: Annotated[float, Field(ge=0)]
+    b_ms_per_prefill_token: Annotated[float, Field(ge=0)]
+    c_ms_per_decode_seq: Annotated[float, Field(ge=0)]
+    d_ms_per_kv_token: Annotated[float, Field(ge=0)]
+    e_ms_per_attention_pair: Annotated[float, Field(ge=0)] = 0.0
+    serving_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
     """Of a request entering the pipeline at this engine, the time to its first
     token spent outside the engine replicas (the conductor, Serve's routing, the
     token channel), measured in the serving app's journeys
     (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
     by it once. Not a step cost: `scaled` keeps it."""
-    neighbor_slowdown: float = 0.0
+    neighbor_slowdown: Annotated[float, Field(ge=0)] = 0.0
     """On a host whose engines share the CPU (the CPU dev cluster): each other
     engine busy while a step runs makes the step this fraction longer (the rest
     of the model is the engine with no busy neighbor). Fitted from the serving
@@ -142,7 +146,14 @@ class FittedPerf:
 
     @classmethod
     def from_json(cls, text: str) -> "FittedPerf":
-        return cls(**json.loads(text))
+        """Raises ValueError naming each bad field."""
+        try:
+            return _FITTED.validate_json(text)
+        except ValidationError as err:
+            raise ValueError(_problems(err)) from None
+
+
+_FITTED = TypeAdapter(FittedPerf)
 
 
 @dataclass(frozen=True)
@@ -171,14 +182,37 @@ def roles_to_json(models: Mapping[str, FittedPerf]) -> str:
 
 
 def load_perf(path: str | Path) -> "FittedPerf | dict[str, FittedPerf]":
-    """A saved fitted model: one for every role, or one per role (keyed by role name)."""
-    doc = json.loads(Path(path).read_text())
+    """A saved fitted model: one for every role, or one per role (keyed by role name).
+    Raises ValueError naming the file and each bad field."""
     try:
-        if "roles" in doc:
-            return {role: FittedPerf(**model) for role, model in doc["roles"].items()}
-        return FittedPerf(**doc)
-    except TypeError as err:
-        raise ValueError(f"{path}: not a fitted perf model ({err})") from None
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a fitted model (an object), got a {type(doc).__name__}")
+    try:
+        if "roles" not in doc:
+            return _FITTED.validate_python(doc)
+        roles = doc["roles"]
+        if not isinstance(roles, dict) or not roles:
+            raise ValueError("roles: expected an object of fitted models keyed by role name")
+        if unknown := sorted(set(roles) - {r.value for r in RoleName}):
+            raise ValueError(f"roles.{unknown[0]}: not a role ({', '.join(r.value for r in RoleName)})")
+        models = {}
+        for role, model in roles.items():
+            try:
+                models[role] = _FITTED.validate_python(model)
+            except ValidationError as err:
+                raise ValueError(_problems(err, f"roles.{role}")) from None
+        return models
+    except ValidationError as err:
+        raise ValueError(f"{path}: {_problems(err)}") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _problems(err: ValidationError, prefix: str = "") -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in (prefix, *e['loc']) if p != '') or 'model'}: {e['msg']}" for e in err.errors())
 
 
 def load_samples(path: str | Path) -> list[StepSample]:

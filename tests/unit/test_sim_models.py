@@ -152,11 +152,22 @@ def test_a_model_saved_before_the_serving_overhead_and_host_sharing_reads_with_n
     assert (load_perf(path).serving_overhead_ms, load_perf(path).neighbor_slowdown) == (0.0, 0.0)
 
 
-def test_a_file_that_is_no_fitted_model_is_named(tmp_path):
+@pytest.mark.parametrize(("text", "named"), [
+    ('{"a_ms": 1.0, "steps": []}', "b_ms_per_prefill_token: Field required"),
+    ('{"a_ms": 1.0, "steps": []}', "steps: Unexpected keyword argument"),
+    ('{"a_ms": -1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0}', "a_ms: Input should be greater than or equal to 0"),
+    ("[]", "expected a fitted model (an object), got a list"),
+    ("{oops", "not JSON"),
+    ('{"roles": {"prefil": {}}}', "roles.prefil: not a role"),
+    ('{"roles": {"prefill": {"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": "x"}}}',
+     "roles.prefill.d_ms_per_kv_token: Input should be a valid number"),
+])
+def test_a_file_that_is_no_fitted_model_is_named(tmp_path, text, named):
     path = tmp_path / "samples.json"
-    path.write_text('{"a_ms": 1.0, "steps": []}')
-    with pytest.raises(ValueError, match="samples.json: not a fitted perf model"):
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
         load_perf(path)
+    assert str(err.value).startswith(f"{path}: ") and named in str(err.value)
 
 
 def test_fitted_decode_lines_match_its_steps():

@@ -212,13 +212,15 @@ def test_cli_names_a_missing_spec(tmp_path):
     (["--workload", "EMPTY"], "the trace holds no requests"),
     (["--workload", "LIST"], "expected a mapping of AgenticWorkload fields"),
     (["--workload", "BADFIELD"], "turns_min: Input should be greater than or equal to 1"),
+    (["--workload", "ONE", "--search"], "all arrive at one time"),
 ])
 def test_cli_names_bad_options_and_workloads(tmp_path, args, named):
     from app.sim.cli import cli
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_args()))
-    files = {"EMPTY": ("empty.jsonl", "\n"), "LIST": ("list.yaml", "- 1\n"), "BADFIELD": ("bad.yaml", "turns_min: 0\n")}
+    files = {"EMPTY": ("empty.jsonl", "\n"), "LIST": ("list.yaml", "- 1\n"), "BADFIELD": ("bad.yaml", "turns_min: 0\n"),
+             "ONE": ("one.jsonl", json.dumps(GOOD_LINE) + "\n")}
     for i, a in enumerate(args):
         if a in files:
             name, text = files[a]
