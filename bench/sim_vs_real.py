@@ -30,9 +30,12 @@
 TTFT is shown twice. At the conductor (the real journeys' `ttft_ms`: from the
 request reaching the conductor to its first token) is what the twin models,
 and what the goal is judged on. At the client adds what lies outside the
-server: the openai SDK itself spends about 13 us per prompt token id before
-sending (its request transform: 51 ms for a 4000-token prompt on this
-machine), plus HTTP and Serve's proxy.
+server: HTTP and Serve's proxy (bench/pipelines.py hands the openai SDK its
+token ids in `extra_body`, past the SDK's own 13-22 us per id).
+
+A last line shows how far the twin's pdd TTFT moves when every step is 1-3%
+faster or slower: near a queue's knee, a small error in step times is a large
+one in the median.
 
 The other modes (colocated most of all: one engine, no PDD logic) show how far
 the twin and the real app part where PDD plays no role: the serving stack and
@@ -75,6 +78,14 @@ FITTED = OUT_DIR / "fitted_perf.json"
 FIGURES = (("server_ttft_p50", "TTFT p50 ms, conductor"), ("server_ttft_p90", "TTFT p90 ms, conductor"),
            ("server_ttft_p99", "TTFT p99 ms, conductor"), ("ttft_p50", "TTFT p50 ms, client"), ("ttft_p90", "TTFT p90 ms, client"),
            ("ttft_p99", "TTFT p99 ms, client"), ("tpot_p50", "TPOT p50 ms"), ("gap_p99", "worst gap p99 ms"), ("wan_mb", "WAN MB"))
+
+
+STEP_SCALES = (0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.03)
+"""Every step a few percent faster or slower: how far that alone moves the twin's pdd TTFT."""
+
+
+def scaled_perf(perf: FittedPerf | dict[str, FittedPerf], factor: float) -> FittedPerf | dict[str, FittedPerf]:
+    return {role: m.scaled(factor) for role, m in perf.items()} if isinstance(perf, dict) else perf.scaled(factor)
 
 
 def real_rows(path: Path) -> dict[str, list[dict]]:
@@ -235,6 +246,16 @@ def main() -> None:
     pdd = rel[Mode.pdd.value]
     ok = all(abs(pdd[k]) <= 0.2 for k in ("server_ttft_p50", "server_ttft_p90"))
     console.print(f"goal (pdd's TTFT p50 and p90 at the conductor within 20%): {'[green]met' if ok else '[red]not met'}[/]")
+    # a queue near its knee turns a small error in step times into a large one in the median
+    pdd_trace = list(read_trace(trace_path(Mode.pdd.value)))
+    sensitivity: dict[str, list[float]] = {"scales": list(STEP_SCALES), "server_ttft_p50_rel": [], "server_ttft_p90_rel": []}
+    for factor in STEP_SCALES:
+        sim = simulate(derive(base, mode=Mode.pdd), pdd_trace, scaled_perf(perfs[Mode.pdd], factor), a.seed).records()
+        ttft = [r.ttft_s * 1000 for r in sim]
+        for q in (50, 90):
+            sensitivity[f"server_ttft_p{q}_rel"].append(percentile(ttft, q) / real[Mode.pdd.value][f"server_ttft_p{q}"] - 1)
+    console.print("pdd TTFT at the conductor, twin / real - 1, with every step x " + ", ".join(f"{f:g}" for f in STEP_SCALES) + ":\n"
+                  + "\n".join(f"  p{q}: " + ", ".join(f"{x:+.0%}" for x in sensitivity[f"server_ttft_p{q}_rel"]) for q in (50, 90)))
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
@@ -257,7 +278,7 @@ def main() -> None:
     summary = {"real": real, "twin": twin, "ttft_p50_rel_err": abs(pdd["server_ttft_p50"]), "ttft_p90_rel_err": abs(pdd["server_ttft_p90"]),
                "client_ttft_p50_rel_err": abs(pdd["ttft_p50"]), "client_ttft_p90_rel_err": abs(pdd["ttft_p90"]),
                "rel": rel, "calibration": calibration, "host_sharing": bool(baseline), "goal_met": ok,
-               "twin_one_factor": baseline, "rel_one_factor": rel_baseline,
+               "twin_one_factor": baseline, "rel_one_factor": rel_baseline, "step_scale_sensitivity": sensitivity,
                "perf": {mode.value: ({r: m.__dict__ for r, m in p.items()} if isinstance(p, dict) else p.__dict__) for mode, p in perfs.items()}}
     out_rows = [{"mode": mode, "figure": k, "real": real[mode][k], "twin": twin[mode][k], "rel": rel[mode].get(k),
                  **({"twin_one_factor": baseline[mode][k], "rel_one_factor": rel_baseline[mode].get(k)} if baseline else {})}
