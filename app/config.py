@@ -532,16 +532,21 @@ class ConfigError(ValueError):
     """A configuration failed validation; the message names each bad field."""
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
+    """One "field.path: message" per error."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if loc:
             lines.append(f"{'.'.join(x for x in (prefix, loc) if x)}: {msg}")
-        else:  # whole-config checks start their message with the field's path
+        else:  # whole-model checks start their message with the field's path
             lines.append(f"{prefix}.{msg}" if prefix else msg)
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    return lines
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", what: str = "configuration") -> str:
+    return f"invalid {what}:\n  " + "\n  ".join(validation_problems(err, prefix))
 
 
 def parse_config(data: dict[str, Any], prefix: str = "") -> PDDConfig:

@@ -204,9 +204,10 @@ def main() -> None:
         return figures(ttft, ttft, [r.tpot_s * 1000 for r in sim if r.output_tokens > 1], [r.max_gap_s * 1000 for r in sim if r.output_tokens > 1],
                        [r.pipeline.value for r in sim], sum(r.wan_bytes for r in sim))
 
+    traces: dict[Mode, list] = {}
     for mode in modes:
         mine = rows[mode.value]
-        trace = list(read_trace(trace_path(mode.value)))
+        trace = traces[mode] = list(read_trace(trace_path(mode.value)))
         sim = simulate(derive(base, mode=mode), trace, perfs[mode], a.seed).records()
         ttfts[mode.value] = {"twin": [r.ttft_s * 1000 for r in sim]}
         if mode in one_factor:
@@ -247,10 +248,9 @@ def main() -> None:
     ok = all(abs(pdd[k]) <= 0.2 for k in ("server_ttft_p50", "server_ttft_p90"))
     console.print(f"goal (pdd's TTFT p50 and p90 at the conductor within 20%): {'[green]met' if ok else '[red]not met'}[/]")
     # a queue near its knee turns a small error in step times into a large one in the median
-    pdd_trace = list(read_trace(trace_path(Mode.pdd.value)))
     sensitivity: dict[str, list[float]] = {"scales": list(STEP_SCALES), "server_ttft_p50_rel": [], "server_ttft_p90_rel": []}
     for factor in STEP_SCALES:
-        sim = simulate(derive(base, mode=Mode.pdd), pdd_trace, scaled_perf(perfs[Mode.pdd], factor), a.seed).records()
+        sim = simulate(derive(base, mode=Mode.pdd), traces[Mode.pdd], scaled_perf(perfs[Mode.pdd], factor), a.seed).records()
         ttft = [r.ttft_s * 1000 for r in sim]
         for q in (50, 90):
             sensitivity[f"server_ttft_p{q}_rel"].append(percentile(ttft, q) / real[Mode.pdd.value][f"server_ttft_p{q}"] - 1)

@@ -45,7 +45,7 @@ def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: in
         try:
             return AgenticWorkload.model_validate({"requests": requests, "rps": rps, "seed": seed, **fields})
         except ValidationError as err:
-            raise ValueError(format_validation_error(err).replace("invalid configuration", f"invalid workload ({source})")) from None
+            raise ValueError(format_validation_error(err, what=f"workload ({source})")) from None
 
     if spec == "agentic":
         w = fitted_to_window(settings({}, "options"), max_model_len)

@@ -44,7 +44,7 @@ from typing import Annotated, Protocol
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
-from app.config import AcceleratorSpec, ModelSpec, RoleName
+from app.config import AcceleratorSpec, ModelSpec, RoleName, validation_problems
 
 
 class PerfModel(Protocol):
@@ -150,7 +150,7 @@ class FittedPerf:
         try:
             return _FITTED.validate_json(text)
         except ValidationError as err:
-            raise ValueError(_problems(err)) from None
+            raise ValueError("; ".join(validation_problems(err))) from None
 
 
 _FITTED = TypeAdapter(FittedPerf)
@@ -185,34 +185,31 @@ def load_perf(path: str | Path) -> "FittedPerf | dict[str, FittedPerf]":
     """A saved fitted model: one for every role, or one per role (keyed by role name).
     Raises ValueError naming the file and each bad field."""
     try:
-        doc = json.loads(Path(path).read_text())
+        return _perf_doc(json.loads(Path(path).read_text()))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not JSON ({err})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a fitted model (an object), got a {type(doc).__name__}")
-    try:
-        if "roles" not in doc:
-            return _FITTED.validate_python(doc)
-        roles = doc["roles"]
-        if not isinstance(roles, dict) or not roles:
-            raise ValueError("roles: expected an object of fitted models keyed by role name")
-        if unknown := sorted(set(roles) - {r.value for r in RoleName}):
-            raise ValueError(f"roles.{unknown[0]}: not a role ({', '.join(r.value for r in RoleName)})")
-        models = {}
-        for role, model in roles.items():
-            try:
-                models[role] = _FITTED.validate_python(model)
-            except ValidationError as err:
-                raise ValueError(_problems(err, f"roles.{role}")) from None
-        return models
-    except ValidationError as err:
-        raise ValueError(f"{path}: {_problems(err)}") from None
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
 
 
-def _problems(err: ValidationError, prefix: str = "") -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in (prefix, *e['loc']) if p != '') or 'model'}: {e['msg']}" for e in err.errors())
+def _perf_doc(doc: object) -> "FittedPerf | dict[str, FittedPerf]":
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a fitted model (an object), got a {type(doc).__name__}")
+    if "roles" not in doc:
+        return _fitted(doc)
+    roles = doc["roles"]
+    if not isinstance(roles, dict) or not roles:
+        raise ValueError("roles: expected an object of fitted models keyed by role name")
+    if unknown := sorted(set(roles) - {r.value for r in RoleName}):
+        raise ValueError(f"roles.{unknown[0]}: not a role ({', '.join(r.value for r in RoleName)})")
+    return {role: _fitted(model, f"roles.{role}") for role, model in roles.items()}
+
+
+def _fitted(model: object, where: str = "") -> FittedPerf:
+    try:
+        return _FITTED.validate_python(model)
+    except ValidationError as err:
+        raise ValueError("; ".join(validation_problems(err, where))) from None
 
 
 def load_samples(path: str | Path) -> list[StepSample]:

@@ -42,6 +42,8 @@ from typing import Annotated, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.config import validation_problems
+
 
 class Request(NamedTuple):
     arrival_s: float
@@ -227,11 +229,7 @@ def read_trace(path: str | Path) -> Iterator[Request]:
             try:
                 d = TraceRecord.model_validate_json(line)
             except ValidationError as err:
-                problems = "; ".join(
-                    f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" if e["loc"]
-                    else e["msg"].removeprefix("Value error, ")
-                    for e in err.errors())
-                raise ValueError(f"{path}:{n}: {problems}") from None
+                raise ValueError(f"{path}:{n}: " + "; ".join(validation_problems(err))) from None
             if d.arrival_s < last:
                 raise ValueError(f"{path}:{n}: arrival_s {d.arrival_s:g} is before the previous line's ({last:g}): arrivals must not go back in time")
             last = d.arrival_s
