@@ -246,10 +246,11 @@ class EngineServer:
             completion = out.outputs[0]
             transfer = self._connector.take(request.request_id) if pulling else None
             pulling = pulling and transfer is None
-            engine_ttft_ms = None
+            engine_ttft_ms = core_ttft_ms = queued_ms = None
             if first and completion.token_ids:
                 first = False
                 engine_ttft_ms = (time.monotonic() - started) * 1000
+                core_ttft_ms, queued_ms = _engine_core_times(out.metrics)
             yield EngineDelta(
                 request_id=request.request_id,
                 token_ids=list(completion.token_ids),
@@ -260,6 +261,8 @@ class EngineServer:
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 transfer=transfer,
                 engine_ttft_ms=engine_ttft_ms,
+                engine_core_ttft_ms=core_ttft_ms,
+                engine_queued_ms=queued_ms,
             )
 
     # `target_replica` is read by the affinity router, not here.
@@ -304,6 +307,18 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _engine_core_times(stats: Any) -> tuple[float | None, float | None]:
+    """(first token, queue wait) in ms inside the engine core, from vLLM's request
+    metrics (`RequestOutput.metrics`, engine-core timestamps); (None, None) where a
+    timestamp is missing (metrics off, or the token came before its events)."""
+    queued = getattr(stats, "queued_ts", 0.0)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    first = getattr(stats, "first_token_ts", 0.0)
+    if not (queued and scheduled and first):
+        return None, None
+    return (first - queued) * 1000, (scheduled - queued) * 1000
 
 
 def _kv_bytes_per_block(vllm_config) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.token_channel import EngineDelta
 
 
 @dataclass
@@ -54,6 +57,11 @@ class Journey:
     first token (EngineDelta.engine_ttft_ms). Of `ttft_ms`, what the engines on
     the first token's way did not spend is the serving stack's
     (app/sim/calibrate.py `serving_overhead_ms`)."""
+    engine_core_ttft_ms: dict[str, float] = field(default_factory=dict)
+    """role -> of that engine's `engine_ttft_ms`, the part inside vLLM's engine
+    core (queue and steps; EngineDelta.engine_core_ttft_ms), where vLLM timed it."""
+    engine_queued_ms: dict[str, float] = field(default_factory=dict)
+    """role -> of `engine_core_ttft_ms`, the wait in that engine's queue."""
     decode_ms: float | None = None
     """First to last token."""
     max_gap_ms: float | None = None
@@ -64,6 +72,19 @@ class Journey:
     recorded_roles: set[str] = field(default_factory=set, repr=False)
     """Bookkeeping of app.metrics.record_kv (not part of the journey's story)."""
     recorded_transfers: int = field(default=0, repr=False)
+
+    def note_first_token(self, role: str, delta: EngineDelta, *, replace: bool) -> None:
+        """An engine's timing of a request's first token (EngineDelta.engine_ttft_ms
+        and its engine-core parts); `replace`: a retried engine's figures win over
+        an earlier one's, else the first engine's stay."""
+        if role in self.engine_ttft_ms and not replace:
+            return
+        for times, value in ((self.engine_ttft_ms, delta.engine_ttft_ms), (self.engine_core_ttft_ms, delta.engine_core_ttft_ms),
+                             (self.engine_queued_ms, delta.engine_queued_ms)):
+            if value is None:
+                times.pop(role, None)
+            else:
+                times[role] = value
 
     def note_tokens(self, role: str, count: int) -> None:
         if count <= 0:

@@ -72,6 +72,13 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     and steps, a remote KV wait, its input and output processing). What the
     request spent before and after (the conductor, Serve's routing, the token
     channel) is the serving stack's."""
+    engine_core_ttft_ms: float | None = None
+    """Beside `engine_ttft_ms`: the part of it inside vLLM's engine core, from the
+    request joining the scheduler's queue to the step that produced the token
+    (queue wait, steps, a remote KV wait; vLLM's own request metrics). The rest
+    is the replica's input and output processing. None when vLLM kept no metrics."""
+    engine_queued_ms: float | None = None
+    """Of `engine_core_ttft_ms`, the wait in the scheduler's queue before the request's first step."""
     error: str | None = None
 
 

@@ -308,7 +308,7 @@ def main() -> None:
                       " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())))
     console.print(table)
     console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
-    console.print("serving overhead p50 (TTFT at the conductor outside the engine replicas): "
+    console.print("serving overhead p50 (TTFT at the conductor outside the engines' cores): "
                   + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items()))
 
     summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}

@@ -11,8 +11,9 @@
    busy at once: the fit gives each role its slowdown with no busy neighbor
    engine and per busy neighbor, and the twin applies it to its own replicas,
    all on one host (`--no-host-sharing`: one factor per role). The same replay's median
-   serving overhead (TTFT at the conductor outside the engine replicas: the
-   conductor, Serve's routing, the token channel) goes on
+   serving overhead (TTFT at the conductor outside vLLM's engine cores: the
+   conductor, Serve's routing, the token channel, the replica's own input and
+   output processing) goes on
    the model of the role requests enter by, and the twin adds it to each
    request. `--calibration idle` keeps the model of the engine alone (no
    overhead); `--calibration run` fits it to the steps of

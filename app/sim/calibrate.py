@@ -37,15 +37,15 @@ engine alone, and 2-3x once the decoders run beside it. The shape stays the one 
 (one or two decoding sequences, short prefills on the decoders), and a model
 fitted to those alone put the relay's prefill at 3 ms a token.
 
-The engines are not all of a request's time to its first token: the
-conductor, Serve's routing and the token channel add a few to tens of
+The engines' queues and steps are not all of a request's time to its first
+token: the conductor, Serve's routing, the token channel and each engine
+replica's own input and output processing (vLLM's front end handing the
+request to its engine core and the token back) add a few to tens of
 milliseconds, more under load. `serving_overhead_ms` takes that share from a
-journey (its TTFT at the conductor less the time the engine replicas on the
-first token's way took from handing the request to vLLM to getting that token
-back, both recorded by the real app), and `with_serving_overhead` gives the
-median of a run's to the model of the role requests enter by, which the twin
-adds to each. vLLM's own input and output processing stays outside both the
-overhead and the step model: a few milliseconds the twin does not model.
+journey (its TTFT at the conductor less the time vLLM's engine cores on the
+first token's way spent on it, queue and steps, both recorded by the real
+app), and `with_serving_overhead` gives the median of a run's to the model of
+the role requests enter by, which the twin adds to each.
 
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
@@ -234,22 +234,31 @@ def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[Ste
 
 def serving_overhead_ms(journey: Mapping) -> float | None:
     """Of a journey's TTFT at the conductor (GET /pdd/requests/{id}), the time
-    outside the engine replicas the first token waited for: P (or the one
-    engine, colocated), and with P-D-naive the decoder too, its KV pull
-    included. None for a journey without those figures (an error, a failover,
-    an app too old to record them)."""
+    outside the engines the first token waited for: P (or the one engine,
+    colocated), and with P-D-naive the decoder too, its KV pull included.
+
+    Outside an engine is outside what the twin models of it, its queue and
+    steps: the time in vLLM's engine core (`engine_core_ttft_ms`) where the
+    journey has it for each of those engines, so the replica's own input and
+    output processing counts as overhead; else the replicas' `engine_ttft_ms`.
+    None for a journey without those figures (an error, a failover, an app too
+    old to record them)."""
     ttft = journey.get("ttft_ms")
-    engine = journey.get("engine_ttft_ms") or {}
-    if ttft is None or journey.get("error") or journey.get("failovers") or not engine:
+    if ttft is None or journey.get("error") or journey.get("failovers"):
         return None
     pipeline = journey.get("pipeline")
     if pipeline == Pipeline.colocated.value:
-        waited = list(engine.values()) if len(engine) == 1 else [None]
+        engines = list(journey.get("engine_ttft_ms") or {})
+        roles = engines if len(engines) == 1 else []
     elif pipeline == Pipeline.p_d_naive.value:
-        waited = [engine.get(RoleName.prefill.value), engine.get(RoleName.main_decode.value)]
+        roles = [RoleName.prefill.value, RoleName.main_decode.value]
     else:
-        waited = [engine.get(RoleName.prefill.value)]
-    return None if None in waited else ttft - math.fsum(waited)
+        roles = [RoleName.prefill.value]
+    for figures in ("engine_core_ttft_ms", "engine_ttft_ms"):
+        engine = journey.get(figures) or {}
+        if roles and all(role in engine for role in roles):
+            return ttft - math.fsum(engine[role] for role in roles)
+    return None
 
 
 def app_serving_overheads(url: str, mode: Mode) -> list[float]:

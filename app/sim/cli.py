@@ -207,7 +207,7 @@ def calibrate(
                 for role, fit in fits.items())
             entry = entry_role(config.mode).value
             summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request (median of {len(overheads)} "
-                        f"{config.mode.value} requests' TTFT outside the engine replicas), on {entry}'s model" if overheads else
+                        f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model" if overheads else
                         f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]")
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:

@@ -105,8 +105,9 @@ class FittedPerf:
     e_ms_per_attention_pair: Annotated[float, Field(ge=0)] = 0.0
     serving_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
     """Of a request entering the pipeline at this engine, the time to its first
-    token spent outside the engine replicas (the conductor, Serve's routing, the
-    token channel), measured in the serving app's journeys
+    token spent outside the engines' queues and steps (the conductor, Serve's
+    routing, the token channel, the replica's own input and output
+    processing), measured in the serving app's journeys
     (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
     by it once. Not a step cost: `scaled` keeps it."""
     neighbor_slowdown: Annotated[float, Field(ge=0)] = 0.0

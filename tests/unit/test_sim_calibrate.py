@@ -154,6 +154,17 @@ def test_serving_overhead_is_ttft_outside_the_engines_the_first_token_waited_for
         assert serving_overhead_ms(partial) is None
 
 
+def test_serving_overhead_counts_the_replicas_own_processing_where_the_engine_core_timed_the_token():
+    pdd = {"pipeline": "P-RLD-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0, "relay_decode": 300.0},
+           "engine_core_ttft_ms": {"prefill": 9.0, "relay_decode": 280.0}}
+    assert serving_overhead_ms(pdd) == pytest.approx(31.0)
+    naive = {"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0, "main_decode": 450.0},
+             "engine_core_ttft_ms": {"prefill": 10.0, "main_decode": 440.0}}
+    assert serving_overhead_ms(naive) == pytest.approx(50.0)
+    # one engine without the core's figures: the replicas' figures for all, never a mix
+    assert serving_overhead_ms({**naive, "engine_core_ttft_ms": {"prefill": 10.0}}) == pytest.approx(35.0)
+
+
 def test_the_median_overhead_goes_on_the_role_requests_enter_by():
     models = {"prefill": ALONE, "relay_decode": ALONE.scaled(1.5), "main_decode": ALONE.scaled(1.2)}
     with_overhead = with_serving_overhead(models, Mode.pdd, [10.0, 30.0, 20.0, 500.0])

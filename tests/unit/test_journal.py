@@ -1,0 +1,35 @@
+"""A journey's engine timings: what each engine replica, and vLLM's engine core inside it, spent on the first token."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.metrics.stats import RequestStateStats
+
+from app.engine import _engine_core_times
+from app.journal import Journey
+from app.token_channel import EngineDelta
+
+
+def _first(engine: float, core: float | None = None, queued: float | None = None) -> EngineDelta:
+    return EngineDelta("r", [7], engine_ttft_ms=engine, engine_core_ttft_ms=core, engine_queued_ms=queued)
+
+
+def test_engine_core_times_come_from_vllms_request_metrics():
+    stats = RequestStateStats(queued_ts=100.0, scheduled_ts=100.004, first_token_ts=100.030)
+    core, queued = _engine_core_times(stats)
+    assert core == pytest.approx(30.0) and queued == pytest.approx(4.0)
+    for missing in (None, RequestStateStats(), RequestStateStats(queued_ts=100.0, scheduled_ts=100.004)):
+        assert _engine_core_times(missing) == (None, None)
+
+
+def test_the_first_engine_of_a_role_keeps_its_times_unless_it_was_retried():
+    journey = Journey("r", "pdd", 10, 5)
+    journey.note_first_token("relay_decode", _first(40.0, 31.0, 2.0), replace=False)
+    journey.note_first_token("relay_decode", _first(90.0, 80.0, 5.0), replace=False)  # a failover target's later token
+    assert (journey.engine_ttft_ms, journey.engine_core_ttft_ms, journey.engine_queued_ms) == (
+        {"relay_decode": 40.0}, {"relay_decode": 31.0}, {"relay_decode": 2.0})
+    journey.note_first_token("prefill", _first(20.0, 12.0, 1.0), replace=True)
+    journey.note_first_token("prefill", _first(25.0), replace=True)  # P retried; its engine kept no metrics
+    assert journey.engine_ttft_ms["prefill"] == 25.0
+    assert "prefill" not in journey.engine_core_ttft_ms and "prefill" not in journey.engine_queued_ms
+    assert journey.to_dict()["engine_core_ttft_ms"] == {"relay_decode": 31.0}
