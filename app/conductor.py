@@ -417,8 +417,7 @@ class Conductor:
             check(delta, role)
             if delta.transfer is not None:
                 self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
-            if delta.engine_ttft_ms is not None:
-                journey.note_first_token(role.value, delta, replace=False)
+            journey.note_first_token(role.value, delta, replace=False)
             if delta.finished:  # no pull (all cached): the engine's own count is the hit
                 journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
             yield delta
@@ -441,8 +440,7 @@ class Conductor:
             try:
                 async for delta in self.engines.stream(replica, request):
                     last = check(delta, RoleName.prefill)
-                    if delta.engine_ttft_ms is not None:
-                        journey.note_first_token(RoleName.prefill.value, delta, replace=True)
+                    journey.note_first_token(RoleName.prefill.value, delta, replace=True)
             except ENGINE_FAILURES as exc:
                 self.engines.suspect(replica.replica_id)
                 self.unroute(replica, keys)

@@ -76,8 +76,9 @@ class Journey:
     def note_first_token(self, role: str, delta: EngineDelta, *, replace: bool) -> None:
         """An engine's timing of a request's first token (EngineDelta.engine_ttft_ms
         and its engine-core parts); `replace`: a retried engine's figures win over
-        an earlier one's, else the first engine's stay."""
-        if role in self.engine_ttft_ms and not replace:
+        an earlier one's, else the first engine's stay. A delta without a first
+        token changes nothing."""
+        if delta.engine_ttft_ms is None or (role in self.engine_ttft_ms and not replace):
             return
         for times, value in ((self.engine_ttft_ms, delta.engine_ttft_ms), (self.engine_core_ttft_ms, delta.engine_core_ttft_ms),
                              (self.engine_queued_ms, delta.engine_queued_ms)):
