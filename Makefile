@@ -6,10 +6,13 @@ BIN    := $(VENV)/bin
 EXTRAS ?= cpu,test
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)-$(EXTRAS)
 CONFIG ?= serve_configs/local.yaml
+# What app/native.py compiles (a superset: any edit here rebuilds, ~30 s)
+NATIVE := app/_native/manifest.json
+NATIVE_SOURCES := app/native.py app/policy.py app/prefix_index.py $(wildcard app/sim/*.py app/sim/*.pxd)
 
 .PHONY: run test test-unit bench install cluster-up cluster-down prometheus clean
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +23,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The digital twin's hot modules compiled by Cython; edited ones run as Python until rebuilt.
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/pdd native build
 
 run: install
 	$(BIN)/pdd run $(CONFIG)
@@ -48,4 +55,4 @@ prometheus:
 	  else echo "prometheus not found: install it (Debian/Ubuntu: sudo apt-get install prometheus)"; fi; }
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis app/_native

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from rich.text import Text
 
 from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
-from app import cluster
+from app import cluster, native
 from app.config import ConfigError, load_config
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
@@ -24,7 +25,9 @@ from app.sim.cli import sim as sim_command
 console = Console()
 main = typer.Typer(help="pdd-serve: PDD (Prefill / Relay-Decode / Main-Decode) serving on Ray Serve + vLLM.", no_args_is_help=True)
 cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter.", no_args_is_help=True)
+native_cli = typer.Typer(help="Compiled (Cython) builds of the digital twin's hot modules (app/native.py).", no_args_is_help=True)
 main.add_typer(cluster_cli, name="cluster")
+main.add_typer(native_cli, name="native")
 main.add_typer(agents_cli, name="agents")
 main.command("ask")(ask_command)
 main.command("sim")(sim_command)
@@ -124,6 +127,27 @@ def cluster_up(config_path: Path = typer.Argument(DEFAULT_CONFIG), cpus_per_node
 def cluster_down() -> None:
     """Stop the local Ray cluster (and any vLLM process it left behind)."""
     cluster.down(echo=console.print)
+
+
+@native_cli.command("build")
+def native_build() -> None:
+    """Compile the twin's hot modules (`make install` does); edited modules run as Python until the next build."""
+    native.build()
+
+
+@native_cli.command("status")
+def native_status() -> None:
+    """Which modules load compiled, and which run as Python."""
+    builds = native.fresh_builds()
+    off = os.environ.get(native.ENV_SWITCH) == "0"
+    for module in native.MODULES:
+        if off:
+            state = f"python ({native.ENV_SWITCH}=0)"
+        elif module in builds:
+            state = "[green]compiled[/green]"
+        else:
+            state = "[yellow]python[/yellow] (not built, or edited since: `pdd native build`)"
+        console.print(f"{module:20} {state}")
 
 
 def _deploy(config_path: Path) -> dict:

@@ -4,16 +4,23 @@ The main run serves a million agentic requests (generated on the fly, so
 generation counts) on serve_configs/gpu_h100_h200.yaml in PDD mode; the goal
 is under 60 s, i.e. at least 16,667 requests/s. A shorter run per mode shows
 what each pipeline costs. Rates are medians over rounds; ratios are against
-the goal rate.
+the goal rate. The twin's hot modules run compiled where `pdd native build`
+built them (app/native.py); a baseline run of the same PDD workload as plain
+Python, in a child process, gives the compiled build's speed-up.
 
-    python bench/sim_speed.py [--requests 1000000] [--rounds 1] [--mode-requests 100000] [--json out.json]
+    python bench/sim_speed.py [--requests 1000000] [--rounds 1] [--mode-requests 100000]
+                              [--python-requests 100000] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
+from app import native
 from app.config import Mode, load_config
 from app.sim import AgenticWorkload, simulate
 from app.sim.cluster import derive
@@ -49,11 +57,24 @@ def timed_run(config, requests: int, rps: float, seed: int, label: str) -> dict:
             "requests_per_s": requests / wall, "requests_per_cpu_s": requests / cpu, "events_per_request": run.events / requests}
 
 
+def python_baseline(requests: int, rps: float) -> dict:
+    """The same PDD run with every module as plain Python, in a fresh process (modules load once per process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        code = ("import json, sys; from bench.sim_speed import CONFIG, timed_run; from app.config import load_config; "
+                f"r = timed_run(load_config(CONFIG), {requests}, {rps}, 0, 'PDD, plain Python baseline'); "
+                f"open({str(out)!r}, 'w').write(json.dumps(r))")
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, native.ENV_SWITCH: "0"}, check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=GOAL_REQUESTS)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--mode-requests", type=int, default=100_000, help="requests per mode in the per-mode table (0: skip)")
+    ap.add_argument("--python-requests", type=int, default=100_000,
+                    help="requests of the plain-Python baseline and its compiled twin run (0: skip)")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
 
@@ -74,10 +95,19 @@ def main() -> None:
                               "events_per_request": median([r["events_per_request"] for r in runs])})
         rows += mode_rows
 
+    compiled = native.compiled_modules()
+    build = f"compiled ({len(compiled)} of {len(native.MODULES)} modules)" if compiled else "plain Python"
+    baseline_rows = []
+    if a.python_requests:
+        same = timed_run(base, a.python_requests, 6.0, 0, f"PDD, {build}, {a.python_requests:,} requests")
+        python = python_baseline(a.python_requests, 6.0)
+        baseline_rows = [{"run": "baseline", "build": build, **same}, {"run": "baseline", "build": "plain Python", **python}]
+        rows += baseline_rows
+
     rate = median([r["requests_per_s"] for r in main_runs])
     cpu_rate = median([r["requests_per_cpu_s"] for r in main_runs])
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    table = Table(title=f"digital twin speed (medians of {a.rounds} round(s); goal {GOAL_REQUESTS:,} requests in {GOAL_S:g} s)")
+    table = Table(title=f"digital twin speed, {build} (medians of {a.rounds} round(s); goal {GOAL_REQUESTS:,} requests in {GOAL_S:g} s)")
     for col in ("run", "requests", "requests/s (wall)", "requests/s (CPU)", "events/request", "vs goal rate"):
         table.add_column(col, justify="right")
     table.add_row("PDD (main)", f"{a.requests:,}", f"{rate:,.0f}", f"{cpu_rate:,.0f}",
@@ -86,10 +116,17 @@ def main() -> None:
         table.add_row(r["mode"], f"{r['requests']:,}", f"{r['requests_per_s']:,.0f}", f"{r['requests_per_cpu_s']:,.0f}",
                       f"{r['events_per_request']:.2f}", f"{r['requests_per_s'] / goal_rate:.2f}x")
     console.print(table)
+    speedup = None
+    if baseline_rows:
+        same, python = baseline_rows
+        speedup = same["requests_per_s"] / python["requests_per_s"]
+        console.print(f"PDD, {a.python_requests:,} requests: {build} {same['requests_per_s']:,.0f} requests/s, plain Python "
+                      f"{python['requests_per_s']:,.0f} requests/s: [bold]{speedup:.2f}x[/bold]")
     projected = GOAL_REQUESTS / rate
     console.print(f"{GOAL_REQUESTS:,} requests take {projected:.1f} s at this rate (goal < {GOAL_S:g} s): "
                   + ("[green]met[/green]" if projected < GOAL_S else "[red]missed[/red]") + f"; peak memory {peak_rss_mib:,.0f} MiB")
-    summary = {"requests_per_s": rate, "requests_per_cpu_s": cpu_rate, "seconds_per_million": projected,
+    summary = {"requests_per_s": rate, "requests_per_cpu_s": cpu_rate, "seconds_per_million": projected, "build": build,
+               "compiled_modules": compiled, "speedup_vs_python": speedup,
                "goal_met": projected < GOAL_S, "peak_rss_mib": peak_rss_mib, "rounds": a.rounds, "rows": rows}
 
     def plot(path: Path) -> None:

@@ -1,0 +1,164 @@
+"""Compiled builds of the digital twin's hot modules: the same Python sources, compiled by Cython.
+
+The twin runs the conductor's own routing and policy code on every simulated
+request, so its speed is that of the Python it shares with the real app.
+`pdd native build` (run by `make install`) compiles `MODULES`, the
+.py files unchanged plus the .pxd beside a module where one declares its
+classes' fields, into `app/_native/` with a manifest of the hash of each
+module's sources. `install()` (called from `app/__init__`) puts a finder in
+front of the import system that loads a compiled module only while its sources
+hash as they did at build time: an edited module runs as plain Python until the
+next build, never as stale code. Without a build, with a different Python, or
+with PDD_NATIVE=0, everything runs as plain Python; the results are the same
+either way (tests/unit/test_native.py runs the twin both ways and compares).
+
+Modules with coroutines stay Python (asyncio and FastAPI tell coroutine functions
+apart by type, which Cython's are not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+"""The `app` package's directory."""
+BUILD_DIR = PACKAGE_ROOT / "_native"
+MANIFEST = BUILD_DIR / "manifest.json"
+ENV_SWITCH = "PDD_NATIVE"
+"""Set to 0 to run every module as plain Python."""
+
+MODULES = (
+    "app.policy",
+    "app.prefix_index",
+    "app.sim.cache",
+    "app.sim.cluster",
+    "app.sim.engine",
+    "app.sim.events",
+    "app.sim.jobs",
+    "app.sim.network",
+    "app.sim.outages",
+    "app.sim.pdd",
+    "app.sim.pending",
+    "app.sim.perf",
+    "app.sim.results",
+    "app.sim.routing",
+    "app.sim.twin",
+)
+"""What the twin runs per event: its own modules, and the conductor's routing index and policy."""
+
+COMPILER_DIRECTIVES = {
+    "language_level": 3,
+    # annotations stay documentation: `x: float` must not turn into a C double that refuses None
+    "annotation_typing": False,
+    "binding": True,
+}
+
+
+def _sources(module: str, root: Path = PACKAGE_ROOT) -> list[Path]:
+    """The module's .py file, and its .pxd when it has one."""
+    py = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    pxd = py.with_suffix(".pxd")
+    return [py, pxd] if pxd.exists() else [py]
+
+
+def source_hash(module: str, root: Path = PACKAGE_ROOT) -> str:
+    digest = hashlib.sha256()
+    for path in _sources(module, root):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def fresh_builds(manifest_path: Path = MANIFEST, root: Path = PACKAGE_ROOT) -> dict[str, Path]:
+    """Module name -> compiled file, for each compiled module whose sources are unchanged
+    since the build and whose file fits this Python. Empty when there is no usable build."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if manifest.get("extension_suffix") != importlib.machinery.EXTENSION_SUFFIXES[0]:
+        return {}
+    out = {}
+    for module, entry in manifest.get("modules", {}).items():
+        try:
+            path = manifest_path.parent / entry["file"]
+            if path.exists() and entry["sha256"] == source_hash(module, root):
+                out[module] = path
+        except (OSError, KeyError, TypeError):
+            continue
+    return out
+
+
+class CompiledFinder(importlib.abc.MetaPathFinder):
+    """Finds the fresh compiled modules; every other import goes on as usual."""
+
+    def __init__(self, builds: dict[str, Path]):
+        self.builds = builds
+
+    def find_spec(self, fullname, path=None, target=None):
+        so = self.builds.get(fullname)
+        if so is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, so, loader=importlib.machinery.ExtensionFileLoader(fullname, str(so)))
+
+
+def install() -> CompiledFinder | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0" or any(isinstance(f, CompiledFinder) for f in sys.meta_path):
+        return None
+    builds = fresh_builds()
+    if not builds:
+        return None
+    finder = CompiledFinder(builds)
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def compiled_modules() -> list[str]:
+    """The modules this process has loaded compiled."""
+    return sorted(name for name, mod in sys.modules.items() if name in MODULES and str(getattr(mod, "__file__", "")).endswith(
+        tuple(importlib.machinery.EXTENSION_SUFFIXES)))
+
+
+def build(out: Path = BUILD_DIR) -> dict:
+    """Compile MODULES into `out` and write its manifest; returns the manifest."""
+    from Cython.Build import cythonize  # build-time only
+    from setuptools import Distribution, Extension
+
+    root = PACKAGE_ROOT.parent
+    started = time.perf_counter()
+    print(f"compiling {len(MODULES)} modules with Cython into {out} (about a minute on 2 cores) ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pdd-native-") as tmp:
+        extensions = [Extension(m, [str(_sources(m)[0].relative_to(root))]) for m in MODULES]
+        cwd = os.getcwd()
+        os.chdir(root)  # module names follow the paths cythonize is given
+        try:
+            compiled = cythonize(extensions, compiler_directives=COMPILER_DIRECTIVES, build_dir=tmp, quiet=True,
+                                 nthreads=os.cpu_count() or 1)
+            cmd = Distribution({"ext_modules": compiled}).get_command_obj("build_ext")
+            cmd.build_lib, cmd.build_temp, cmd.parallel = str(out), str(Path(tmp) / "obj"), os.cpu_count() or 1
+            cmd.ensure_finalized()
+            cmd.run()
+        finally:
+            os.chdir(cwd)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    modules = {}
+    for m in MODULES:
+        file = Path(*m.split(".")).with_name(m.rsplit(".", 1)[1] + suffix)
+        if not (out / file).exists():
+            raise RuntimeError(f"the build left no {out / file} for {m}")
+        modules[m] = {"file": str(file), "sha256": source_hash(m)}
+    import Cython
+
+    manifest = {"extension_suffix": suffix, "cython": Cython.__version__, "modules": modules}
+    (out / MANIFEST.name).write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"compiled {len(modules)} modules in {time.perf_counter() - started:.0f} s", flush=True)
+    return manifest

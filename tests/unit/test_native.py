@@ -1,0 +1,105 @@
+"""app/native.py: compiled twin modules load only while fresh, and give the plain-Python results."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Every mode, every handoff mode, outages and a load that queues: each of the twin's paths runs.
+RUN_ALL_MODES = """
+import dataclasses, json, sys
+from app.config import Mode, load_config
+from app.sim import AgenticWorkload, Outage, simulate
+from app.sim.cluster import derive
+from app import native
+
+base = load_config("serve_configs/gpu_h100_h200.yaml")
+w = AgenticWorkload(requests=1500, rps=8.0, seed=3)
+out = {"compiled": native.compiled_modules(), "runs": {}}
+for mode in Mode:
+    for handoff in (["one_shot", "catch_up", "auto"] if mode is Mode.pdd else ["auto"]):
+        config = derive(base, mode=mode)
+        config = config.model_copy(update={"handoff": config.handoff.model_copy(update={"mode": handoff})})
+        # outages put P-RLD (and P-RLD-MD's waits on a cut link) in the mix
+        outages = [Outage(30, 60, "wan"), Outage(90, 100, "main_decode")] if mode is Mode.pdd else []
+        run = simulate(config, w, seed=5, outages=outages)
+        out["runs"][f"{mode.value}/{handoff}"] = [repr(dataclasses.astuple(r)) for r in run.records()]
+json.dump(out, sys.stdout)
+"""
+
+
+def _run_all_modes(compiled: bool) -> dict:
+    env = {**os.environ, native.ENV_SWITCH: "1" if compiled else "0"}
+    done = subprocess.run([sys.executable, "-c", RUN_ALL_MODES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(not native.fresh_builds(), reason="no compiled build: `pdd native build` (make install runs it)")
+def test_compiled_twin_gives_the_plain_python_results_in_every_mode():
+    compiled, python = _run_all_modes(True), _run_all_modes(False)
+    assert compiled["compiled"] == sorted(native.MODULES)
+    assert python["compiled"] == []
+    assert compiled["runs"].keys() == python["runs"].keys()
+    for key, rows in python["runs"].items():
+        assert len(rows) == 1500, key
+        assert compiled["runs"][key] == rows, key
+
+
+def _package(tmp_path: Path) -> Path:
+    root = tmp_path / "app"
+    (root / "sim").mkdir(parents=True)
+    (root / "policy.py").write_text("X = 1\n")
+    (root / "sim" / "routing.py").write_text("Y = 2\n")
+    (root / "sim" / "routing.pxd").write_text("cdef class Z:\n    pass\n")
+    return root
+
+
+def _manifest(tmp_path: Path, root: Path, suffix: str = importlib.machinery.EXTENSION_SUFFIXES[0]) -> Path:
+    build = tmp_path / f"_native{suffix}"
+    modules = {}
+    for module in ("app.policy", "app.sim.routing"):
+        file = Path(*module.split(".")).with_name(module.rsplit(".", 1)[1] + suffix)
+        (build / file).parent.mkdir(parents=True, exist_ok=True)
+        (build / file).write_bytes(b"")
+        modules[module] = {"file": str(file), "sha256": native.source_hash(module, root)}
+    path = build / "manifest.json"
+    path.write_text(json.dumps({"extension_suffix": suffix, "modules": modules}))
+    return path
+
+
+def test_a_module_edited_since_the_build_runs_as_python(tmp_path):
+    root = _package(tmp_path)
+    manifest = _manifest(tmp_path, root)
+    assert set(native.fresh_builds(manifest, root)) == {"app.policy", "app.sim.routing"}
+    (root / "policy.py").write_text("X = 2\n")
+    assert set(native.fresh_builds(manifest, root)) == {"app.sim.routing"}
+    (root / "sim" / "routing.pxd").write_text("cdef class Z:\n    cdef public object w\n")  # declarations count too
+    assert native.fresh_builds(manifest, root) == {}
+
+
+def test_a_build_for_another_python_or_a_missing_file_is_not_loaded(tmp_path):
+    root = _package(tmp_path)
+    assert native.fresh_builds(_manifest(tmp_path, root, suffix=".cpython-39-x86_64-linux-gnu.so"), root) == {}
+    manifest = _manifest(tmp_path, root)
+    next(manifest.parent.rglob("policy.*")).unlink()
+    assert set(native.fresh_builds(manifest, root)) == {"app.sim.routing"}
+    manifest.write_text("{not json")
+    assert native.fresh_builds(manifest, root) == {}
+    assert native.fresh_builds(tmp_path / "absent.json", root) == {}
+
+
+def test_every_listed_module_exists_and_has_no_coroutines():
+    for module in native.MODULES:
+        source = native._sources(module)[0].read_text()
+        assert "async def" not in source, f"{module}: Cython's coroutines are not asyncio's (keep it Python)"
