@@ -13,7 +13,8 @@ with PDD_NATIVE=0, everything runs as plain Python; the results are the same
 either way (tests/unit/test_native.py runs the twin both ways and compares).
 
 Modules with coroutines stay Python (asyncio and FastAPI tell coroutine functions
-apart by type, which Cython's are not).
+apart by type, which Cython's are not), and so do pydantic models (pydantic
+takes a compiled method for a field without annotation).
 """
 
 from __future__ import annotations
@@ -63,17 +64,20 @@ COMPILER_DIRECTIVES = {
 }
 
 
-def _sources(module: str, root: Path = PACKAGE_ROOT) -> list[Path]:
-    """The module's .py file, and its .pxd when it has one."""
-    py = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    pxd = py.with_suffix(".pxd")
-    return [py, pxd] if pxd.exists() else [py]
+def _source(module: str, root: Path = PACKAGE_ROOT) -> Path:
+    return root.joinpath(*module.split(".")[1:]).with_suffix(".py")
 
 
-def source_hash(module: str, root: Path = PACKAGE_ROOT) -> str:
+def _declarations(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.pxd") if BUILD_DIR.name not in p.relative_to(root).parts)
+
+
+def source_hash(module: str, root: Path = PACKAGE_ROOT, declarations: list[Path] | None = None) -> str:
+    """Of the module's .py file and every .pxd under `root` (one module's declarations can
+    cimport another's, so a change to any of them rebuilds them all)."""
     digest = hashlib.sha256()
-    for path in _sources(module, root):
-        digest.update(path.name.encode())
+    for path in [_source(module, root), *(_declarations(root) if declarations is None else declarations)]:
+        digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -88,10 +92,11 @@ def fresh_builds(manifest_path: Path = MANIFEST, root: Path = PACKAGE_ROOT) -> d
     if manifest.get("extension_suffix") != importlib.machinery.EXTENSION_SUFFIXES[0]:
         return {}
     out = {}
+    declarations = _declarations(root)
     for module, entry in manifest.get("modules", {}).items():
         try:
             path = manifest_path.parent / entry["file"]
-            if path.exists() and entry["sha256"] == source_hash(module, root):
+            if path.exists() and entry["sha256"] == source_hash(module, root, declarations):
                 out[module] = path
         except (OSError, KeyError, TypeError):
             continue
@@ -137,7 +142,7 @@ def build(out: Path = BUILD_DIR) -> dict:
     started = time.perf_counter()
     print(f"compiling {len(MODULES)} modules with Cython into {out} (about a minute on 2 cores) ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="pdd-native-") as tmp:
-        extensions = [Extension(m, [str(_sources(m)[0].relative_to(root))]) for m in MODULES]
+        extensions = [Extension(m, [str(_source(m).relative_to(root))]) for m in MODULES]
         cwd = os.getcwd()
         os.chdir(root)  # module names follow the paths cythonize is given
         try:

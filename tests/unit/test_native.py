@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +101,52 @@ def test_a_build_for_another_python_or_a_missing_file_is_not_loaded(tmp_path):
     assert native.fresh_builds(tmp_path / "absent.json", root) == {}
 
 
-def test_every_listed_module_exists_and_has_no_coroutines():
+def test_every_listed_module_exists_and_has_no_coroutines_or_pydantic_models():
     for module in native.MODULES:
-        source = native._sources(module)[0].read_text()
+        source = native._source(module).read_text()
         assert "async def" not in source, f"{module}: Cython's coroutines are not asyncio's (keep it Python)"
+        assert "BaseModel" not in source, f"{module}: pydantic refuses compiled classes (keep it Python)"
+
+
+def _assigned_fields(source: str) -> dict[str, set[str]]:
+    """Class name -> attributes its methods assign on `self`."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                target.attr for sub in ast.walk(node) if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for root in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]) for target in ast.walk(root)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"}
+    return out
+
+
+def _declared_fields(pxd: str) -> dict[str, set[str]]:
+    """Class name -> fields a .pxd declares (`cdef class X(...):` then `cdef public object a, b`)."""
+    out: dict[str, set[str]] = {}
+    for line in pxd.splitlines():
+        if match := re.match(r"cdef class (\w+)", line):
+            current = out.setdefault(match.group(1), set())
+        elif match := re.match(r"\s+cdef public \w+ (.+)", line):
+            current.update(name.strip() for name in match.group(1).split(","))
+    return out
+
+
+def test_each_pxd_declares_exactly_the_fields_its_classes_assign():
+    """A compiled class refuses an attribute its .pxd lacks, at run time only: keep them in step."""
+    assigned = {}
+    for module in native.MODULES:
+        assigned.update(_assigned_fields(native._source(module).read_text()))
+    declared: dict[str, set[str]] = {}
+    for pxd in native._declarations(native.PACKAGE_ROOT):
+        declared.update(_declared_fields(pxd.read_text()))
+    assert declared, "no .pxd found"
+    fields_live_on = {"Twin": "PDDPipelines"}  # Twin's state is declared on its compiled base, for the pipelines' methods
+    used: dict[str, set[str]] = {}
+    for cls, fields in assigned.items():
+        used.setdefault(fields_live_on.get(cls, cls), set()).update(fields)
+    for cls, fields in declared.items():
+        if cls in fields_live_on:
+            assert not fields, f"{cls}: declare its fields on {fields_live_on[cls]}"
+            continue
+        want = used.get(cls, set())
+        assert fields == want, f"{cls}: declared, never assigned {sorted(fields - want)}; assigned, not declared {sorted(want - fields)}"
