@@ -35,6 +35,8 @@ from collections.abc import Callable, Hashable, Sequence
 from itertools import count
 from typing import Any
 
+import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
+
 from app.sim.cache import PrefixCache, usable_tokens
 from app.sim.events import Loop
 from app.sim.perf import DecodeRamp, PerfModel
@@ -184,6 +186,7 @@ class Instance:
         self.active += 1
         return Lease(key, hit - hit % self.block, entry is not None, divergences)
 
+    @cython.locals(lease=Lease)
     def publish(self, lease: Lease, tokens: int, gen: int) -> None:
         """The request's first `tokens` are computed: later turns of the conversation
         can reuse them while this request still runs (its reservation becomes cache)."""
@@ -193,6 +196,7 @@ class Instance:
         self.cache.publish(lease.key, tokens, gen, lease.pinned, lease.divergences)
         lease.pinned = True
 
+    @cython.locals(lease=Lease)
     def close(self, lease: Lease, keep_tokens: int, gen: int) -> None:
         """The request is done here: its blocks become the conversation's cached prefix."""
         self.reserved -= lease.held
@@ -204,6 +208,7 @@ class Instance:
         if self.prefill_q or self.join_q:  # freed memory may admit queued work
             self._poke()
 
+    @cython.locals(lease=Lease)
     def _reserve(self, lease: Lease, need: int) -> bool:
         """Reserve memory for the tokens a request will write beyond its cached prefix."""
         extra = need - lease.hit - lease.held
@@ -228,6 +233,7 @@ class Instance:
         self.join_q.append(seq)
         self._poke()
 
+    @cython.locals(seq=Seq)
     def tokens_by(self, seq: Seq, t: float) -> tuple[int, float]:
         """(tokens `seq` produced here by time t, time of the last of them; -1 if none)."""
         if seq.state == WAITING:
@@ -286,6 +292,7 @@ class Instance:
             self.version += 1
             self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
 
+    @cython.locals(seq=Seq)
     def _admit_joins(self) -> list[Seq]:
         joined = []
         q = self.join_q
@@ -307,6 +314,7 @@ class Instance:
             joined.append(seq)
         return joined
 
+    @cython.locals(job=PrefillJob, seq=Seq)
     def _plan(self, now: float) -> None:
         joined = self._admit_joins() if self.join_q else ()
         budget = self.max_batched - self.n
@@ -398,6 +406,7 @@ class Instance:
                 self.version += 1
                 self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
 
+    @cython.locals(job=PrefillJob)
     def _step_end(self, version: int) -> None:
         if version != self.version:
             return
@@ -442,6 +451,7 @@ class Instance:
         self.state = IDLE
         self._plan(now)
 
+    @cython.locals(seq=Seq)
     def _boundary(self, now: float) -> None:
         steps = self.steps
         if self.removals:

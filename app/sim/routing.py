@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 
+import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
+
 from app.prefix_index import PrefixIndex
 
 STRIDE = 1 << 24
@@ -148,6 +150,7 @@ class RunLRU:
                     return True
         return False
 
+    @cython.locals(keys=KeyChain, g=_Group)
     def matched(self, keys: KeyChain) -> int:
         segs = keys.segs
         lines = self.lines
@@ -178,6 +181,7 @@ class RunLRU:
             return n + pos - a
         return n
 
+    @cython.locals(keys=KeyChain, g=_Group, inside=_Group)
     def add(self, keys: KeyChain) -> None:
         order, lines = self.order, self.lines
         for line, a, b in keys.segs:
