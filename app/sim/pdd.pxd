@@ -1,6 +1,9 @@
 # The compiled build's field declarations for pdd.py (app/native.py): Twin's state (app/sim/twin.py), declared
 # on its base so the pipelines' methods read it directly too (tests/unit/test_native.py checks the list).
 
+from app.sim.engine cimport PrefillJob, Seq
+from app.sim.jobs cimport Job
+
 cdef class PDDPipelines:
     cdef public object config, mode, loop, cluster, block, window, block_bytes, routing, handoff, P, R, M, intra, wan
     cdef public object ow, wan_facts, wan_backlog, pending, serving_overhead_s, outages, replicas, candidates, index

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
+
 from app.config import RoleName
 from app.policy import (
     ClusterFacts,
@@ -49,6 +51,7 @@ P_MD, P_RLD_MD, P_RLD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_
 class PDDPipelines:
     """Twin's methods for the pdd mode: `_pdd` starts a request; the rest follow its events."""
 
+    @cython.locals(job=Job)
     def _pdd(self, job: Job) -> None:
         req = job.req
         md, md_cached = None, 0
@@ -81,6 +84,7 @@ class PDDPipelines:
     def _streams(inst: Instance) -> int:
         return inst.streams
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _pdd_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
@@ -110,6 +114,7 @@ class PDDPipelines:
             job.warm = self.pending.track(job.md.name, job.keys)
         self.pending.after(job.after, self._main_pull, job)
 
+    @cython.locals(job=Job)
     def _main_pull(self, job: Job) -> None:
         """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
         req = job.req
@@ -119,17 +124,20 @@ class PDDPipelines:
         self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
 
+    @cython.locals(job=Job)
     def _singular_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
         self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
 
+    @cython.locals(job=Job)
     def _end_relay(self, job: Job, keep: int) -> None:
         """RLD's request is over (finished, or aborted at the handoff): its blocks stay cached."""
         job.r.streams -= 1
         job.r.close(job.rl, keep, job.gen)
         job.seq = None
 
+    @cython.locals(job=Job)
     def _relay_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
@@ -139,11 +147,13 @@ class PDDPipelines:
         n = min(job.cap, req.output_tokens - 1)
         job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped)
 
+    @cython.locals(job=Job)
     def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None]) -> Seq:
         seq = Seq(job, ctx, n, ctx + n, job.rl, cb)
         job.r.submit_decode(seq)
         return seq
 
+    @cython.locals(seq=Seq, job=Job)
     def _relay_stopped(self, seq: Seq, worst: float) -> None:
         """RLD produced the last token the client takes from it: the request's end, or the cap."""
         job: Job = seq.owner
@@ -162,10 +172,12 @@ class PDDPipelines:
         job.capped = True
         job.seq = self._relay_decode(job, seq.ctx + seq.n, req.output_tokens - 1 - seq.n, self._discarded)
 
+    @cython.locals(seq=Seq)
     def _discarded(self, seq: Seq, worst: float) -> None:
         """RLD finished the output past its cap before MD took over."""
         self._end_relay(seq.owner, seq.ctx + seq.n)
 
+    @cython.locals(job=Job)
     def _main_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
@@ -175,9 +187,11 @@ class PDDPipelines:
         # the warm request: MD computes the first token's KV (its own sampled token is discarded)
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))
 
+    @cython.locals(pj=PrefillJob)
     def _md_step_done(self, pj: PrefillJob) -> None:
         self.loop.at(self.loop.now + self.ow, self._handoff, pj.owner)
 
+    @cython.locals(job=Job)
     def _handoff(self, job: Job) -> None:
         """The conductor learns MD finished a step (the warm-up or a catch-up round)."""
         now = self.loop.now
@@ -225,6 +239,7 @@ class PDDPipelines:
         self._end_relay(job, req.prompt_tokens + 1 + produced)
         self._extend(job, produced, final=True)
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _md_caught_up(self, pj: PrefillJob) -> None:
         """MD holds the whole turn the relay finished."""
         job: Job = pj.owner
@@ -234,6 +249,7 @@ class PDDPipelines:
         self.index.record(md.name, job.full, md.kv_blocks)
         self.pending.done(md.name, job.catch_up)
 
+    @cython.locals(job=Job)
     def _extend(self, job: Job, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the
         relay tokens it has not been sent yet in one extend step (at least one token).
@@ -250,6 +266,7 @@ class PDDPipelines:
         pj = PrefillJob(job, max(1, tokens), ctx, need, job.dl, cb)
         self.loop.at(self.loop.now + self.ow, _submit, (job.d, pj))
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _handed_over(self, pj: PrefillJob) -> None:
         """MD's final extend step produced the token after the relay's last one."""
         job: Job = pj.owner

@@ -1,5 +1,7 @@
 # The compiled build's declaration of Twin (app/native.py): its fields are declared on its base (pdd.pxd).
 
+from app.sim.engine cimport PrefillJob, Seq
+from app.sim.jobs cimport Job
 from app.sim.pdd cimport PDDPipelines
 
 cdef class Twin(PDDPipelines):

@@ -40,6 +40,8 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Iterator
 
+import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
+
 from app.config import Mode, PDDConfig, RoleName
 from app.policy import ClusterFacts, LinkBacklog, LinkFacts, Pipeline, blocks_missing
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
@@ -149,6 +151,7 @@ class Twin(PDDPipelines):
         else:
             self._start(job)
 
+    @cython.locals(job=Job)
     def _start(self, job: Job) -> None:
         mode = self.mode
         if mode is Mode.pdd:
@@ -178,6 +181,7 @@ class Twin(PDDPipelines):
             self.index.observe(inst.name, job.keys, actual_hit)
         self.index.record(inst.name, keys, inst.kv_blocks)
 
+    @cython.locals(job=Job)
     def _settle(self, job: Job) -> None:
         """The finishing decoder's stream ends; what it now holds goes into the index."""
         d = job.d
@@ -190,6 +194,7 @@ class Twin(PDDPipelines):
 
     # ---- requests ---------------------------------------------------------------------
 
+    @cython.locals(job=Job)
     def _finish(self, job: Job) -> None:
         if job.done:
             raise AssertionError(f"request {job.rid} finished twice")
@@ -206,6 +211,7 @@ class Twin(PDDPipelines):
         if sess.waiting:
             self._dispatch(sess.waiting.pop(0)._replace(arrival_s=self.loop.now), sess)
 
+    @cython.locals(job=Job)
     def _first_token(self, job: Job, t: float) -> bool:
         """Record the first token; True when it was also the last."""
         job.t_first = t
@@ -215,12 +221,14 @@ class Twin(PDDPipelines):
             return True
         return False
 
+    @cython.locals(job=Job)
     def _prefill(self, job: Job, inst: Instance, need: int, cb: Callable[[PrefillJob], None]) -> None:
         prompt = job.req.prompt_tokens
         lease = job.pl
         hit = lease.hit if lease.hit < prompt else prompt - 1
         inst.submit_prefill(PrefillJob(job, prompt - hit, hit, need, lease, cb))
 
+    @cython.locals(job=Job)
     def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None:
         """Conductor.prefill: route P by prefix, P computes the prompt and its first token."""
         req = job.req
@@ -230,6 +238,7 @@ class Twin(PDDPipelines):
         job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
         self._prefill(job, p, req.prompt_tokens, cb)
 
+    @cython.locals(job=Job)
     def _prefilled(self, job: Job) -> None:
         """P's stream ended: its real hit corrects the index, which then records the prompt."""
         p = job.p
@@ -237,11 +246,13 @@ class Twin(PDDPipelines):
         p.publish(job.pl, job.req.prompt_tokens, job.gen)
         self._remember(p, job.keys, job, job.pl.hit)
 
+    @cython.locals(job=Job)
     def _open_decoder(self, job: Job, inst: Instance, prefix_tokens: int) -> None:
         job.d = inst
         inst.streams += 1
         job.dl = inst.open(job.req.session, prefix_tokens, job.sess.divs, job.gen)
 
+    @cython.locals(job=Job)
     def _decode(self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float,
                 cb: Callable[[Seq, float], None] | None = None) -> Seq:
         """Continue the stream on `inst` from `ctx` tokens; its tokens reach the client `off` later."""
@@ -251,6 +262,7 @@ class Twin(PDDPipelines):
         inst.submit_decode(seq)
         return seq
 
+    @cython.locals(seq=Seq, job=Job)
     def _decoded(self, seq: Seq, worst: float) -> None:
         job: Job = seq.owner
         off = job.off
@@ -269,6 +281,7 @@ class Twin(PDDPipelines):
                 self.results.add_wan(job.row, nbytes)
         link.send(nbytes, done, job)
 
+    @cython.locals(job=Job)
     def _pull_done(self, job: Job) -> None:
         """One consumer has P's KV; P's blocks are free (cached) once all have."""
         job.pulls -= 1
@@ -277,6 +290,7 @@ class Twin(PDDPipelines):
 
     # ---- colocated -------------------------------------------------------------------
 
+    @cython.locals(job=Job)
     def _colocated(self, job: Job) -> None:
         job.pipe = Pipeline.colocated
         req = job.req
@@ -285,6 +299,7 @@ class Twin(PDDPipelines):
         job.pl = job.dl  # one engine: one lease
         self._prefill(job, d, req.prompt_tokens + req.output_tokens, self._colocated_first)
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _colocated_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         now = self.loop.now
@@ -298,6 +313,7 @@ class Twin(PDDPipelines):
 
     # ---- classic PD ------------------------------------------------------------------
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _pd_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
@@ -312,11 +328,13 @@ class Twin(PDDPipelines):
         job.pulls = 1
         self._send(self.intra, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
 
+    @cython.locals(job=Job)
     def _pd_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
         self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _naive_first(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
@@ -333,6 +351,7 @@ class Twin(PDDPipelines):
         job.pulls = 1
         self._send(self.wan, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
 
+    @cython.locals(job=Job)
     def _naive_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
@@ -340,6 +359,7 @@ class Twin(PDDPipelines):
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + req.output_tokens, job.dl,
                                         self._naive_second))
 
+    @cython.locals(pj=PrefillJob, job=Job)
     def _naive_second(self, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
