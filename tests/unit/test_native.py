@@ -150,3 +150,18 @@ def test_each_pxd_declares_exactly_the_fields_its_classes_assign():
             continue
         want = used.get(cls, set())
         assert fields == want, f"{cls}: declared, never assigned {sorted(fields - want)}; assigned, not declared {sorted(want - fields)}"
+
+
+def test_pdd_native_status_names_each_module_and_how_it_loads(monkeypatch):
+    from typer.testing import CliRunner
+
+    from app.cli import main
+
+    builds = native.fresh_builds()
+    out = CliRunner().invoke(main, ["native", "status"], terminal_width=200).output
+    for module in native.MODULES:
+        line = next(line for line in out.splitlines() if line.startswith(module + " "))
+        assert ("compiled" if module in builds else "python") in line, line
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    out = CliRunner().invoke(main, ["native", "status"], terminal_width=200).output
+    assert out.count(f"python ({native.ENV_SWITCH}=0)") == len(native.MODULES), out
