@@ -1,11 +1,16 @@
 # The compiled build's field declarations for jobs.py's classes (app/native.py): the fields
 # its methods assign, no more (tests/unit/test_native.py checks); typed self.* reads skip the attribute lookup.
 
+from app.sim.engine cimport Instance, Lease
+
+
 cdef class Session:
     cdef public object divs, stream, conv, busy, waiting
 
 cdef class Job:
     cdef public object rid, req, sess, gen, pipe, keys, full, t_first, t_last, gap, done
-    cdef public object p, pl, d, dl, r, rl, md, pulls, seq, sent, rounds, hmode, cap
+    cdef public Instance p, d, r, md
+    cdef public Lease pl, dl, rl
+    cdef public object pulls, seq, sent, rounds, hmode, cap
     cdef public object capped, relay_tokens, t_relay_last, handed, wan, wan_planned, t_prev, off
     cdef public object after, warm, catch_up, row
