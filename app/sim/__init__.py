@@ -36,7 +36,9 @@ API for comparisons with real runs (e.g. bench/sim_vs_real.py):
 Modules: events (the loop), perf (step times), cache (prefix caches), engine
 (one replica), network (links), cluster (replicas from the config), twin (the
 conductor's pipelines), jobs (its per-request state), workload (generator,
-traces), results, report, run, cli.
+traces), results, report, run, cli. The hot ones run compiled where
+`pdd native build` built them (app/native.py; their .pxd files declare the
+compiled classes' fields), with the same results as plain Python.
 """
 
 from app.sim.perf import FittedPerf, PerfModel, Roofline, StepSample, fit_from_samples, load_samples, save_samples
