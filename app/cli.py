@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -139,9 +138,8 @@ def native_build() -> None:
 def native_status() -> None:
     """Which modules load compiled, and which run as Python."""
     builds = native.fresh_builds()
-    off = os.environ.get(native.ENV_SWITCH) == "0"
     for module in native.MODULES:
-        if off:
+        if not native.enabled():
             state = f"python ({native.ENV_SWITCH}=0)"
         elif module in builds:
             state = "[green]compiled[/green]"

@@ -68,6 +68,11 @@ def _source(module: str, root: Path = PACKAGE_ROOT) -> Path:
     return root.joinpath(*module.split(".")[1:]).with_suffix(".py")
 
 
+def compiled_file(module: str, suffix: str = importlib.machinery.EXTENSION_SUFFIXES[0]) -> Path:
+    """Where a module's compiled file lies in a build directory."""
+    return Path(*module.split(".")).with_name(module.rsplit(".", 1)[1] + suffix)
+
+
 def _declarations(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.pxd") if BUILD_DIR.name not in p.relative_to(root).parts)
 
@@ -116,8 +121,12 @@ class CompiledFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, so, loader=importlib.machinery.ExtensionFileLoader(fullname, str(so)))
 
 
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
 def install() -> CompiledFinder | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0" or any(isinstance(f, CompiledFinder) for f in sys.meta_path):
+    if not enabled() or any(isinstance(f, CompiledFinder) for f in sys.meta_path):
         return None
     builds = fresh_builds()
     if not builds:
@@ -135,7 +144,8 @@ def compiled_modules() -> list[str]:
 
 def build(out: Path = BUILD_DIR) -> dict:
     """Compile MODULES into `out` and write its manifest; returns the manifest."""
-    from Cython.Build import cythonize  # build-time only
+    import Cython  # build-time only
+    from Cython.Build import cythonize
     from setuptools import Distribution, Extension
 
     root = PACKAGE_ROOT.parent
@@ -155,14 +165,13 @@ def build(out: Path = BUILD_DIR) -> dict:
         finally:
             os.chdir(cwd)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    declarations = _declarations(PACKAGE_ROOT)
     modules = {}
     for m in MODULES:
-        file = Path(*m.split(".")).with_name(m.rsplit(".", 1)[1] + suffix)
+        file = compiled_file(m, suffix)
         if not (out / file).exists():
             raise RuntimeError(f"the build left no {out / file} for {m}")
-        modules[m] = {"file": str(file), "sha256": source_hash(m)}
-    import Cython
-
+        modules[m] = {"file": str(file), "sha256": source_hash(m, PACKAGE_ROOT, declarations)}
     manifest = {"extension_suffix": suffix, "cython": Cython.__version__, "modules": modules}
     (out / MANIFEST.name).write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"compiled {len(modules)} modules in {time.perf_counter() - started:.0f} s", flush=True)

@@ -71,7 +71,7 @@ def _manifest(tmp_path: Path, root: Path, suffix: str = importlib.machinery.EXTE
     build = tmp_path / f"_native{suffix}"
     modules = {}
     for module in ("app.policy", "app.sim.routing"):
-        file = Path(*module.split(".")).with_name(module.rsplit(".", 1)[1] + suffix)
+        file = native.compiled_file(module, suffix)
         (build / file).parent.mkdir(parents=True, exist_ok=True)
         (build / file).write_bytes(b"")
         modules[module] = {"file": str(file), "sha256": native.source_hash(module, root)}
