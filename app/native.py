@@ -6,9 +6,11 @@ request, so its speed is that of the Python it shares with the real app.
 .py files unchanged plus the .pxd beside a module where one declares its
 classes' fields, into `app/_native/` with a manifest of the hash of each
 module's sources. `install()` (called from `app/__init__`) puts a finder in
-front of the import system that loads a compiled module only while its sources
-hash as they did at build time: an edited module runs as plain Python until the
-next build, never as stale code. Without a build, with a different Python, or
+front of the import system that loads the compiled modules only while all their
+sources hash as they did at build time: after an edit, the twin runs as plain
+Python until the next build, never as stale code. All or none, as the compiled
+modules take each other's classes as C types (a compiled module refuses to load
+beside the plain Python one of a class it declares). Without a build, with a different Python, or
 with PDD_NATIVE=0, everything runs as plain Python; the results are the same
 either way (tests/unit/test_native.py runs the twin both ways and compares).
 
@@ -88,8 +90,8 @@ def source_hash(module: str, root: Path = PACKAGE_ROOT, declarations: list[Path]
 
 
 def fresh_builds(manifest_path: Path = MANIFEST, root: Path = PACKAGE_ROOT) -> dict[str, Path]:
-    """Module name -> compiled file, for each compiled module whose sources are unchanged
-    since the build and whose file fits this Python. Empty when there is no usable build."""
+    """Module name -> compiled file, for every compiled module of the build when each
+    one's sources are unchanged since then and its file fits this Python; else empty."""
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
@@ -101,10 +103,11 @@ def fresh_builds(manifest_path: Path = MANIFEST, root: Path = PACKAGE_ROOT) -> d
     for module, entry in manifest.get("modules", {}).items():
         try:
             path = manifest_path.parent / entry["file"]
-            if path.exists() and entry["sha256"] == source_hash(module, root, declarations):
-                out[module] = path
+            if not (path.exists() and entry["sha256"] == source_hash(module, root, declarations)):
+                return {}
+            out[module] = path
         except (OSError, KeyError, TypeError):
-            continue
+            return {}
     return out
 
 

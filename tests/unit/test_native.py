@@ -80,12 +80,16 @@ def _manifest(tmp_path: Path, root: Path, suffix: str = importlib.machinery.EXTE
     return path
 
 
-def test_a_module_edited_since_the_build_runs_as_python(tmp_path):
+def test_a_module_edited_since_the_build_runs_the_whole_build_as_python(tmp_path):
+    """All or none: a compiled module refuses to load beside the plain Python module of a class it declares."""
     root = _package(tmp_path)
     manifest = _manifest(tmp_path, root)
     assert set(native.fresh_builds(manifest, root)) == {"app.policy", "app.sim.routing"}
+    source = (root / "policy.py").read_text()
     (root / "policy.py").write_text("X = 2\n")
-    assert set(native.fresh_builds(manifest, root)) == {"app.sim.routing"}
+    assert native.fresh_builds(manifest, root) == {}
+    (root / "policy.py").write_text(source)
+    assert set(native.fresh_builds(manifest, root)) == {"app.policy", "app.sim.routing"}
     (root / "sim" / "routing.pxd").write_text("cdef class Z:\n    cdef public object w\n")  # declarations count too
     assert native.fresh_builds(manifest, root) == {}
 
@@ -95,7 +99,7 @@ def test_a_build_for_another_python_or_a_missing_file_is_not_loaded(tmp_path):
     assert native.fresh_builds(_manifest(tmp_path, root, suffix=".cpython-39-x86_64-linux-gnu.so"), root) == {}
     manifest = _manifest(tmp_path, root)
     next(manifest.parent.rglob("policy.*")).unlink()
-    assert set(native.fresh_builds(manifest, root)) == {"app.sim.routing"}
+    assert native.fresh_builds(manifest, root) == {}
     manifest.write_text("{not json")
     assert native.fresh_builds(manifest, root) == {}
     assert native.fresh_builds(tmp_path / "absent.json", root) == {}
