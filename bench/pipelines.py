@@ -21,7 +21,8 @@ bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
 twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
 request's serving overhead: its TTFT at the conductor less the engine
-replicas' own (app/sim/calibrate.py `serving_overhead_ms`). The
+replicas' own (app/sim/calibrate.py `serving_overhead_ms`), and the requests
+in flight when it arrived, as the overhead grows with them. The
 measured run's own steps and overheads go to
 bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
 
@@ -51,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
-from app.sim.calibrate import serving_overhead_ms, take_app_steps
+from app.sim.calibrate import serving_overhead_ms, serving_overheads, take_app_steps
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
@@ -74,11 +75,12 @@ def steps_path(mode: str, run: str = "calibration") -> Path:
 
 def write_steps(path: Path, journeys: list[dict]) -> None:
     """The steps the app's engines timed since the last take, by role, and the
-    serving overhead of each of `journeys` that has one (app/sim/calibrate.py)."""
+    serving overhead of each of `journeys` that has one, with the requests in
+    flight when it arrived (app/sim/calibrate.py `serving_overheads`)."""
     steps = take_app_steps("pipelines")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
-                                "serving_overhead_ms": [x for j in journeys if (x := serving_overhead_ms(j)) is not None]}))
+                                "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)]}))
 
 
 def fetch_journeys(base_url: str, ids: list[str]) -> list[dict]:

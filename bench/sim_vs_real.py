@@ -10,12 +10,12 @@
    sharing it step up to 2-3x slower than alone, the more the more of them are
    busy at once: the fit gives each role its slowdown with no busy neighbor
    engine and per busy neighbor, and the twin applies it to its own replicas,
-   all on one host (`--no-host-sharing`: one factor per role). The same replay's median
-   serving overhead (TTFT at the conductor outside vLLM's engine cores: the
-   conductor, Serve's routing, the token channel, the replica's own input and
-   output processing) goes on
-   the model of the role requests enter by, and the twin adds it to each
-   request. `--calibration idle` keeps the model of the engine alone (no
+   all on one host (`--no-host-sharing`: one factor per role). The same
+   replay's serving overhead (TTFT at the conductor outside vLLM's engine
+   cores: the conductor, Serve's routing, the token channel, the replica's own
+   input and output processing), fitted as a base plus a share per other
+   request in flight, goes on the model of the role requests enter by, and the
+   twin adds it to each request. `--calibration idle` keeps the model of the engine alone (no
    overhead); `--calibration run` fits it to the steps of
    the very run compared (in-sample, a diagnosis: what is left when the step
    times are right is the twin's own); `--perf FILE` uses a saved model as is.
@@ -64,8 +64,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import RoleFit, calibrate, fit_to_app_steps, with_model_spec, with_serving_overhead
-from app.sim.cluster import derive
+from app.sim.calibrate import OverheadSample, RoleFit, calibrate, fit_to_app_steps, with_model_spec, with_serving_overhead
+from app.sim.cluster import derive, entry_role
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
 from app.sim.workload import read_trace
@@ -120,9 +120,9 @@ def _number(value: str | None) -> float | None:
 
 
 def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
-               host_sharing: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[float]]:
+               host_sharing: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample]]:
     """`base` fitted per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
-    with that replay's median serving overhead on the entry role's model; the fits and the overheads."""
+    with the serving overhead fitted to that replay's on the entry role's model; the fits and the overheads."""
     path = steps_path(mode.value, run)
     if not path.exists():
         raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
@@ -133,9 +133,9 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
     fits = fit_to_app_steps(base, steps, host_sharing=host_sharing)
     if short := [role for role, fit in fits.items() if fit.factor is None]:
         raise SystemExit(f"{path}: too few steps for {', '.join(short)}: run bench/pipelines.py with more --calibration-requests")
-    overheads = doc.get("serving_overhead_ms") or []
+    overheads = [OverheadSample(**sample) for sample in doc.get("serving_overheads") or []]
     if not overheads:
-        raise SystemExit(f"{path} has no serving overheads: run bench/pipelines.py again (its journeys record the engines' own TTFT)")
+        raise SystemExit(f"{path} has no serving overheads with the requests in flight: run bench/pipelines.py again")
     models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, mode, overheads)
     return models, fits, overheads
 
@@ -188,10 +188,13 @@ def main() -> None:
                 if a.host_sharing:
                     one_factor[mode] = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", False)[0]
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
+                entry = models[entry_role(mode).value]
+                ms = [sample.ms for sample in overheads]
                 console.print(f"{mode.value}: fitted per role to the engines' steps in its {source}: "
                               + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
-                              + f"; serving overhead {percentile(overheads, 50):.1f} ms a request (median of {len(overheads)}; "
-                              f"p10-p90 {percentile(overheads, 10):.0f}-{percentile(overheads, 90):.0f} ms)")
+                              + f"; serving overhead {entry.serving_overhead_ms:.1f} ms a request + "
+                              f"{entry.serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(ms)}: "
+                              f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)")
             console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")
 
     real: dict[str, dict] = {}

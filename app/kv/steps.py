@@ -42,11 +42,11 @@ def step_shape(scheduler_output: "SchedulerOutput") -> dict[str, Any]:
     recomputes, as a prefill does).
     """
     tokens = scheduler_output.num_scheduled_tokens
-    prefill = decode = read = 0
+    prefill = decode = read = prefix_chunks = 0
     pairs = 0.0
 
     def add(n: int, computed: int, decoding: bool) -> None:
-        nonlocal prefill, decode, read, pairs
+        nonlocal prefill, decode, read, pairs, prefix_chunks
         read += computed + n
         if decoding and n == 1:
             decode += 1
@@ -54,13 +54,14 @@ def step_shape(scheduler_output: "SchedulerOutput") -> dict[str, Any]:
         else:
             prefill += n
             pairs += n * computed + n * (n + 1) / 2  # perf.chunk_attention_pairs
+            prefix_chunks += computed > 0
 
     for new in scheduler_output.scheduled_new_reqs:
         add(tokens[new.req_id], new.num_computed_tokens, False)
     cached = scheduler_output.scheduled_cached_reqs
     for rid, computed, outputs in zip(cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens):
         add(tokens[rid], computed, outputs > 0)
-    return {"prefill_tokens": prefill, "decode_seqs": decode, "kv_tokens_read": read, "attention_pairs": pairs}
+    return {"prefill_tokens": prefill, "decode_seqs": decode, "kv_tokens_read": read, "attention_pairs": pairs, "prefix_chunks": prefix_chunks}
 
 
 class StepClock:

@@ -44,8 +44,11 @@ request to its engine core and the token back) add a few to tens of
 milliseconds, more under load. `serving_overhead_ms` takes that share from a
 journey (its TTFT at the conductor less the time vLLM's engine cores on the
 first token's way spent on it, queue and steps, both recorded by the real
-app), and `with_serving_overhead` gives the median of a run's to the model of
-the role requests enter by, which the twin adds to each.
+app). It grows with the requests in flight, whose tokens the conductor and
+the replicas stream on the same CPUs: `serving_overheads` pairs each request's
+with the others in flight when it arrived, `fit_serving_overhead` fits a line
+to them (a median regression), and `with_serving_overhead` puts it on the
+model of the role requests enter by, which the twin adds to each.
 
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
@@ -59,7 +62,7 @@ import math
 import statistics
 import time
 import uuid
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -185,7 +188,8 @@ async def measure(
                 await _generate(engine, prefix, 1)
                 start = time.perf_counter()
                 await _generate(engine, prefix + prompts(new), 1)
-                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, chunk_attention_pairs(new, cached)))
+                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, chunk_attention_pairs(new, cached),
+                                          prefix_chunks=1))
             progress(f"prefill {new} tokens after {cached} cached: {samples[-1].step_ms:.1f} ms")
         for seqs, context in decode_shapes:
             context = min(context, config.model.max_model_len - decode_tokens - 1)
@@ -261,10 +265,35 @@ def serving_overhead_ms(journey: Mapping) -> float | None:
     return None
 
 
-def app_serving_overheads(url: str, mode: Mode) -> list[float]:
+class OverheadSample(NamedTuple):
+    """One request's serving overhead (`serving_overhead_ms`) and how many other
+    requests the conductor had in flight when it arrived."""
+
+    in_flight: int
+    ms: float
+
+
+def serving_overheads(journeys: Sequence[Mapping], mode: Mode | None = None) -> list[OverheadSample]:
+    """The serving overhead of each of `journeys` (of `mode`, if given) that
+    has one, with the other journeys in flight when it started (`started_at`):
+    started before it and not finished by then, whatever their mode. A journey
+    without `finished_at` is in flight to the end; failed ones count too, as
+    they loaded the app all the same."""
+    starts = sorted(t for j in journeys if (t := j.get("started_at")) is not None)
+    ends = sorted(t for j in journeys if (t := j.get("finished_at")) is not None and j.get("started_at") is not None)
+    samples = []
+    for journey in journeys:
+        at = journey.get("started_at")
+        if at is not None and (mode is None or journey.get("mode") == mode.value) and (ms := serving_overhead_ms(journey)) is not None:
+            samples.append(OverheadSample(max(0, bisect_left(starts, at) - bisect_right(ends, at)), ms))
+    return samples
+
+
+def app_serving_overheads(url: str, mode: Mode) -> list[OverheadSample]:
     """The serving overhead of every journey of `mode` the app at `url` still
-    keeps (GET /pdd/requests; PDD_API_KEY for auth). Raises ConnectionError
-    naming the address when it cannot be read."""
+    keeps (GET /pdd/requests; PDD_API_KEY for auth), requests in flight counted
+    over all its journeys. Raises ConnectionError naming the address when it
+    cannot be read."""
     import httpx
 
     from app.journal import JOURNAL_CAPACITY
@@ -275,20 +304,57 @@ def app_serving_overheads(url: str, mode: Mode) -> list[float]:
         resp.raise_for_status()
     except httpx.HTTPError as err:
         raise ConnectionError(f"cannot read {url}/pdd/requests: {err}") from None
-    journeys = resp.json()["requests"]
-    return [x for j in journeys if j.get("mode") == mode.value and (x := serving_overhead_ms(j)) is not None]
+    return serving_overheads(resp.json()["requests"], mode)
 
 
-def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads_ms: Sequence[float]) -> dict[str, FittedPerf]:
-    """`models` (by role name) with the median of `overheads_ms` on the model of
-    the role `mode`'s requests enter by (`entry_role`), which the twin delays each
-    request by. No overheads: `models` as they are."""
+def fit_serving_overhead(samples: Sequence[OverheadSample]) -> tuple[float, float]:
+    """(ms with no other request in flight, ms more per request in flight): the
+    line with the least total absolute distance to the samples, a median
+    regression, so the few requests that waited far longer (a blocked event
+    loop, a garbage collection, most often at the rare high counts in flight)
+    do not pull it. Both kept >= 0; one count in flight only gives its median
+    and no slope. Raises ValueError without samples."""
+    if not samples:
+        raise ValueError("no serving overhead samples")
+    counts = [float(s.in_flight) for s in samples]
+    ms = [s.ms for s in samples]
+
+    def base(slope: float) -> float:
+        return max(0.0, statistics.median([y - slope * x for x, y in zip(counts, ms)]))
+
+    def distance(slope: float) -> float:
+        b = base(slope)
+        return math.fsum(abs(y - b - slope * x) for x, y in zip(counts, ms))
+
+    if min(counts) == max(counts):
+        return statistics.median(ms), 0.0
+    # the distance is convex in the slope (while the base stays above 0): a golden-section
+    # search between no slope and the steepest any two samples allow
+    levels = sorted(set(counts))
+    low, high = 0.0, (max(ms) - min(ms)) / min(upper - lower for lower, upper in zip(levels, levels[1:]))
+    ratio = (math.sqrt(5) - 1) / 2
+    while high - low > 1e-6 * (1 + high):
+        left, right = high - ratio * (high - low), low + ratio * (high - low)
+        if distance(left) <= distance(right):
+            high = right
+        else:
+            low = left
+    slope = (low + high) / 2
+    return base(slope), slope
+
+
+def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads: Sequence[OverheadSample]) -> dict[str, FittedPerf]:
+    """`models` (by role name) with the serving overhead fitted to `overheads`
+    (`fit_serving_overhead`) on the model of the role `mode`'s requests enter
+    by (`entry_role`), which the twin delays each request by. No overheads:
+    `models` as they are."""
     out = dict(models)
-    if overheads_ms:
+    if overheads:
         role = entry_role(mode).value
         if role not in out:
             raise ValueError(f"no step model for {role}, which {mode.value} requests enter by: it timed no step")
-        out[role] = replace(out[role], serving_overhead_ms=statistics.median(overheads_ms))
+        base, per_in_flight = fit_serving_overhead(overheads)
+        out[role] = replace(out[role], serving_overhead_ms=base, serving_overhead_ms_per_in_flight=per_in_flight)
     return out
 
 
@@ -383,7 +449,7 @@ def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSam
             fits[role.value] = RoleFit(base, None)
             continue
         measured = [s.step_ms for s in samples]
-        alone = [base.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs) * 1000 for s in samples]
+        alone = [base.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs, s.prefix_chunks) * 1000 for s in samples]
         if math.fsum(alone) <= 0:
             raise ValueError("the base model gives these steps no time: calibrate it on a real engine first")
         factor = math.fsum(measured) / math.fsum(alone)

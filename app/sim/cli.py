@@ -11,8 +11,9 @@ writes the fitted step-time model `--perf` reads (app/sim/calibrate.py).
 `pdd calibrate CONFIG --from-app pdd` then scales that model per role to the
 steps the engines of the running app timed while serving (roles with
 `engine.record_steps`): steps run slower where engines share a host. The
-median serving overhead of the app's journeys (TTFT outside the engine
-replicas) goes on the model of the role requests enter by.
+serving overhead of the app's journeys (TTFT outside the engines' cores),
+fitted as a base plus a share per other request in flight, goes on the model
+of the role requests enter by.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def calibrate(
                 f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
                 for role, fit in fits.items())
             entry = entry_role(config.mode).value
-            summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request (median of {len(overheads)} "
+            summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request + "
+                        f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
                         f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model" if overheads else
                         f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]")
             samples = [s for samples_of in samples.values() for s in samples_of]

@@ -336,11 +336,14 @@ class Instance:
             pf = 0
             kv = self.kv
             pairs = self.kv
+            after_prefix = 0
             for job, c in chunks:
                 pf += c
                 kv += job.ctx + c
                 pairs += c * job.ctx + c * (c + 1) / 2  # perf.chunk_attention_pairs, inlined
-            dt = self.perf.step_s(pf, self.n, kv, pairs)
+                if job.ctx:
+                    after_prefix += 1
+            dt = self.perf.step_s(pf, self.n, kv, pairs, after_prefix)
             if self.host is not None:
                 self.slow = self._slowdown()
                 dt *= self.slow

@@ -27,8 +27,9 @@ chunk itself), `attention_pairs` the (query, key) token pairs it computed
 (optional, 0 when unknown: the fit then has no pair term). A fitted model saves
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
 "d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "serving_overhead_ms": ...,
-"neighbor_slowdown": ...}` (`FittedPerf.to_json` / `from_json`; a model saved
-without `e`, the overhead or the slowdown reads them as 0).
+"serving_overhead_ms_per_in_flight": ..., "neighbor_slowdown": ...}`
+(`FittedPerf.to_json` / `from_json`; a model saved without `e`, the overheads
+or the slowdown reads them as 0).
 Models fitted per role save as `{"roles": {"prefill": {"a_ms": ...}, ...}}`
 (`roles_to_json`); `load_perf` reads either form.
 """
@@ -48,8 +49,10 @@ from app.config import AcceleratorSpec, ModelSpec, RoleName, validation_problems
 
 
 class PerfModel(Protocol):
-    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float) -> float:
-        """Seconds of one step; `attention_pairs` counts (query, key) token pairs."""
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float, prefix_chunks: int = 0) -> float:
+        """Seconds of one step; `attention_pairs` counts (query, key) token pairs,
+        `prefix_chunks` the prefill chunks that attend to tokens computed before
+        them (a cached prefix, an earlier chunk)."""
 
     def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
         """Decode-only step `k` with `n` sequences holding `k0` tokens takes
@@ -75,7 +78,8 @@ class Roofline:
         self.kv_bytes = model.kv_read_bytes_per_token or model.kv_bytes_per_token
         self.overhead_s = acc.step_overhead_ms / 1000
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float, prefix_chunks: int = 0) -> float:
+        # no cost per chunk: the accelerator's attention kernels read a cached prefix like any KV
         tokens = prefill_tokens + decode_seqs
         compute = (tokens * self.flops_per_token + attention_pairs * self.attn_flops) / self.flops_s
         weights = min(self.total_bytes, self.active_bytes * tokens)
@@ -94,7 +98,7 @@ class Roofline:
 
 @dataclass(frozen=True)
 class FittedPerf:
-    """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read + e*attention_pairs (all >= 0)."""
+    """step_ms = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read + e*attention_pairs + f*prefix_chunks (all >= 0)."""
 
     # read by pydantic where a file is loaded (`load_perf`); the twin's hot path builds none
     __pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -103,13 +107,25 @@ class FittedPerf:
     c_ms_per_decode_seq: Annotated[float, Field(ge=0)]
     d_ms_per_kv_token: Annotated[float, Field(ge=0)]
     e_ms_per_attention_pair: Annotated[float, Field(ge=0)] = 0.0
+    f_ms_per_prefix_chunk: Annotated[float, Field(ge=0)] = 0.0
+    """Per prefill chunk that attends to tokens computed before it (a cached
+    prefix, an earlier chunk of its prompt). vLLM on CPU runs such a chunk on
+    another attention path than a fresh prompt, at a fixed cost of several ms:
+    without this term, the short chunks after a long cached prefix that most
+    agentic turns are came out 40-60% short."""
     serving_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
     """Of a request entering the pipeline at this engine, the time to its first
     token spent outside the engines' queues and steps (the conductor, Serve's
     routing, the token channel, the replica's own input and output
     processing), measured in the serving app's journeys
-    (app/sim/calibrate.py `serving_overhead_ms`). The twin delays each request
-    by it once. Not a step cost: `scaled` keeps it."""
+    (app/sim/calibrate.py `serving_overhead_ms`), with no other request in
+    flight. The twin delays each request by it once. Not a step cost: `scaled`
+    keeps it."""
+    serving_overhead_ms_per_in_flight: Annotated[float, Field(ge=0)] = 0.0
+    """Added to `serving_overhead_ms` for each other request in flight when a
+    request arrives: the conductor and the replicas stream those requests'
+    tokens on the same CPUs (app/sim/calibrate.py `fit_serving_overhead`).
+    `scaled` keeps it."""
     neighbor_slowdown: Annotated[float, Field(ge=0)] = 0.0
     """On a host whose engines share the CPU (the CPU dev cluster): each other
     engine busy while a step runs makes the step this fraction longer (the rest
@@ -118,9 +134,10 @@ class FittedPerf:
     with its own accelerator. The twin puts every replica on one host when a
     model has it (app/sim/cluster.py). `scaled` keeps it."""
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0, prefix_chunks: int = 0) -> float:
         return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
-                + self.d_ms_per_kv_token * kv_tokens_read + self.e_ms_per_attention_pair * attention_pairs) / 1000
+                + self.d_ms_per_kv_token * kv_tokens_read + self.e_ms_per_attention_pair * attention_pairs
+                + self.f_ms_per_prefix_chunk * prefix_chunks) / 1000
 
     def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
         # a decode token attends to its whole context: pairs == tokens read
@@ -133,14 +150,15 @@ class FittedPerf:
         """Every step `factor` times as long."""
         return replace(self, a_ms=factor * self.a_ms, b_ms_per_prefill_token=factor * self.b_ms_per_prefill_token,
                        c_ms_per_decode_seq=factor * self.c_ms_per_decode_seq, d_ms_per_kv_token=factor * self.d_ms_per_kv_token,
-                       e_ms_per_attention_pair=factor * self.e_ms_per_attention_pair)
+                       e_ms_per_attention_pair=factor * self.e_ms_per_attention_pair, f_ms_per_prefix_chunk=factor * self.f_ms_per_prefix_chunk)
 
     def describe(self) -> str:
         return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
                 f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
-                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs"
+                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs + {self.f_ms_per_prefix_chunk:.2f} ms/chunk after a prefix"
                 + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
-                + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else ""))
+                + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else "")
+                + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else ""))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)
@@ -169,6 +187,9 @@ class StepSample:
     None where unknown (a step timed alone, an older file)."""
     engine: str = ""
     """The engine replica that took the step, where steps of several engines are mixed."""
+    prefix_chunks: int = 0
+    """Prefill chunks that attended to tokens computed before them (`FittedPerf.f_ms_per_prefix_chunk`);
+    0 in an older file."""
 
 
 def chunk_attention_pairs(tokens: int, cached: int) -> float:
@@ -241,7 +262,7 @@ def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> Fit
         raise ValueError("need at least two samples to fit a step-time model")
     if bad := [r for r in rows if not r.step_ms > 0]:
         raise ValueError(f"every sample's step_ms must be > 0; got {bad[0]}")
-    x = np.array([[1.0, r.prefill_tokens, r.decode_seqs, r.kv_tokens_read, r.attention_pairs] for r in rows])
+    x = np.array([[1.0, r.prefill_tokens, r.decode_seqs, r.kv_tokens_read, r.attention_pairs, r.prefix_chunks] for r in rows])
     y = np.array([r.step_ms for r in rows])
     x, y = x / y[:, None], np.ones_like(y)
     free = list(range(x.shape[1]))

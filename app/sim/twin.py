@@ -20,10 +20,11 @@ and its latencies count from then.
 Placement: the client and the conductor sit with the first role of the
 pipeline (prefill, or main_decode when colocated). Tokens and control
 messages from another datacenter pay half the link's base RTT. The entry
-role's model may carry a serving overhead (`FittedPerf.serving_overhead_ms`,
-measured in the real app): each request enters its pipeline that much after it
-arrives, for the conductor, Serve's routing and the token channel, which add
-that to the real first token (and to every later one alike).
+role's model may carry a serving overhead (`FittedPerf.serving_overhead_ms`
+and `serving_overhead_ms_per_in_flight`, measured in the real app): each
+request enters its pipeline that much after it arrives, more for each other
+request in flight then, for the conductor, Serve's routing and the token
+channel, which add that to the real first token (and to every later one alike).
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.
@@ -85,6 +86,7 @@ class Twin(PDDPipelines):
         self.pending = PendingMDWork(self.loop, config.kv.transfer_timeout_s)
         entry = pools[entry_role(self.mode)][0]
         self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000
+        self.overhead_per_in_flight_s = getattr(entry.perf, "serving_overhead_ms_per_in_flight", 0.0) / 1000
         self.outages = Outages(outages)
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]
@@ -145,9 +147,10 @@ class Twin(PDDPipelines):
         sess.stream = req.prompt_tokens + req.output_tokens
         full = self.keymaker.turn(sess.conv, req.prefix_tokens, sess.stream)
         job = Job(self._rid, req, sess, len(sess.divs), full, self.block)
+        overhead = self.serving_overhead_s + self.overhead_per_in_flight_s * (self._rid - self.finished)
         self._rid += 1
-        if self.serving_overhead_s:
-            self.loop.at(self.loop.now + self.serving_overhead_s, self._start, job)
+        if overhead:
+            self.loop.at(self.loop.now + overhead, self._start, job)
         else:
             self._start(job)
 

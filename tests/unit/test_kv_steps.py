@@ -33,11 +33,12 @@ def test_a_step_counts_prefill_chunks_decodes_context_and_pairs_as_the_twin_does
     assert shape["kv_tokens_read"] == 300 + (2048 + 64) + (512 + 256) + 1001 + 41
     assert shape["attention_pairs"] == pytest.approx(
         chunk_attention_pairs(300, 0) + chunk_attention_pairs(64, 2048) + chunk_attention_pairs(256, 512) + 1001 + 41)
+    assert shape["prefix_chunks"] == 2  # after the cached prefix, and the second chunk after the first: not the fresh one
 
 
 def test_a_preempted_request_resuming_recomputes_as_a_prefill():
     shape = step_shape(scheduled(running={"resumed": (0, 12, 700)}))
-    assert (shape["prefill_tokens"], shape["decode_seqs"]) == (700, 0)
+    assert (shape["prefill_tokens"], shape["decode_seqs"], shape["prefix_chunks"]) == (700, 0, 0)
 
 
 class Clock:
@@ -64,7 +65,7 @@ def test_a_step_continued_by_the_next_lasts_until_the_next_schedule():
     steps.scheduled(scheduled(new={"b": (0, 10)}, running={"a": (101, 2, 1)}))
     first, second = steps.take()
     assert first == {"prefill_tokens": 100, "decode_seqs": 0, "kv_tokens_read": 100,
-                     "attention_pairs": chunk_attention_pairs(100, 0), "step_ms": pytest.approx(25.0), "start_s": 0.0}
+                     "attention_pairs": chunk_attention_pairs(100, 0), "prefix_chunks": 0, "step_ms": pytest.approx(25.0), "start_s": 0.0}
     assert (second["decode_seqs"], second["step_ms"], second["start_s"]) == (1, pytest.approx(6.0), 0.025)
     assert steps.take() == []
 

@@ -17,8 +17,8 @@ from app.cli import main as pdd
 from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
-from app.sim.calibrate import (_Prompts, app_serving_overheads, busy_neighbors, model_spec_from_folder, fit_to_app_steps, serving_overhead_ms,
-                               with_model_spec, with_serving_overhead)
+from app.sim.calibrate import (OverheadSample, _Prompts, app_serving_overheads, busy_neighbors, fit_serving_overhead, fit_to_app_steps,
+                               model_spec_from_folder, serving_overhead_ms, serving_overheads, with_model_spec, with_serving_overhead)
 from app.sim.perf import FittedPerf, StepSample
 
 LOCAL = "serve_configs/local.yaml"
@@ -165,25 +165,67 @@ def test_serving_overhead_counts_the_replicas_own_processing_where_the_engine_co
     assert serving_overhead_ms({**naive, "engine_core_ttft_ms": {"prefill": 10.0}}) == pytest.approx(35.0)
 
 
-def test_the_median_overhead_goes_on_the_role_requests_enter_by():
+def _journey(start: float, end: float | None, overhead: float, mode: str = "pdd") -> dict:
+    return {"mode": mode, "pipeline": "colocated" if mode == "colocated" else "P-MD", "started_at": start, "finished_at": end,
+            "ttft_ms": 10.0 + overhead, "engine_ttft_ms": {"main_decode" if mode == "colocated" else "prefill": 10.0}}
+
+
+def test_each_overhead_comes_with_the_requests_in_flight_when_it_arrived():
+    journeys = [
+        _journey(0.0, 10.0, 5.0),
+        _journey(1.0, 2.0, 6.0),    # one in flight (the first)
+        _journey(2.0, 3.0, 7.0),    # the second ended just as it came: one in flight
+        _journey(2.5, None, 8.0),   # two: the first and the third; unfinished, in flight to the end
+        {**_journey(4.0, 5.0, 0.0), "error": "boom"},  # no overhead of its own, but it loads the app
+        _journey(4.5, 6.0, 9.0, "colocated"),         # another mode counts in flight, and gives its own
+        _journey(5.5, 6.0, 10.0),   # first, fourth, sixth
+        {**_journey(7.0, 8.0, 3.0), "started_at": None},  # no start: neither counted nor counting
+    ]
+    assert serving_overheads(journeys) == [(0, pytest.approx(5.0)), (1, pytest.approx(6.0)), (1, pytest.approx(7.0)),
+                                           (2, pytest.approx(8.0)), (3, pytest.approx(9.0)), (3, pytest.approx(10.0))]
+    assert [s.in_flight for s in serving_overheads(journeys, Mode.pdd)] == [0, 1, 1, 2, 3]
+    assert serving_overheads([]) == []
+
+
+def test_the_overhead_line_is_a_median_regression():
+    # 10 ms + 4 ms per request in flight, with requests that waited far longer, at the rare high counts most of all
+    line = [OverheadSample(n, 10.0 + 4 * n) for n in (0, 0, 0, 0, 1, 1, 1, 2, 2, 3)]
+    late = [OverheadSample(0, 400.0), OverheadSample(1, 300.0), OverheadSample(4, 140.0), OverheadSample(5, 100.0)]
+    base, slope = fit_serving_overhead(line + late)
+    assert (base, slope) == (pytest.approx(10.0, abs=1e-3), pytest.approx(4.0, abs=1e-3))
+    assert fit_serving_overhead([OverheadSample(3, 12.0), OverheadSample(3, 20.0)]) == (16.0, 0.0)  # one count: its median
+    assert fit_serving_overhead([OverheadSample(0, 30.0), OverheadSample(4, 10.0)]) == (pytest.approx(20.0), pytest.approx(0.0, abs=1e-5))  # never a negative slope
+    base, slope = fit_serving_overhead([OverheadSample(1, 10.0), OverheadSample(2, 30.0)])
+    assert (base, slope) == (0.0, pytest.approx(15.0, abs=1e-3))  # nor a negative base
+    with pytest.raises(ValueError, match="no serving overhead samples"):
+        fit_serving_overhead([])
+
+
+def test_the_fitted_overhead_goes_on_the_role_requests_enter_by():
     models = {"prefill": ALONE, "relay_decode": ALONE.scaled(1.5), "main_decode": ALONE.scaled(1.2)}
-    with_overhead = with_serving_overhead(models, Mode.pdd, [10.0, 30.0, 20.0, 500.0])
-    assert with_overhead["prefill"] == replace(ALONE, serving_overhead_ms=25.0)
+    samples = [OverheadSample(0, 20.0), OverheadSample(0, 500.0), OverheadSample(0, 20.0), OverheadSample(2, 30.0)]
+    with_overhead = with_serving_overhead(models, Mode.pdd, samples)
+    assert with_overhead["prefill"] == replace(ALONE, serving_overhead_ms=pytest.approx(20.0), serving_overhead_ms_per_in_flight=pytest.approx(5.0))
     assert {r: m for r, m in with_overhead.items() if r != "prefill"} == {r: m for r, m in models.items() if r != "prefill"}
-    assert with_serving_overhead(models, Mode.colocated, [8.0])["main_decode"].serving_overhead_ms == 8.0
+    assert with_serving_overhead(models, Mode.colocated, [OverheadSample(0, 8.0)])["main_decode"].serving_overhead_ms == 8.0
     assert with_serving_overhead(models, Mode.pdd, []) == models
     with pytest.raises(ValueError, match="no step model for prefill, which pdd requests enter by"):
-        with_serving_overhead({"main_decode": ALONE}, Mode.pdd, [8.0])
-    assert ALONE.scaled(2.0).serving_overhead_ms == 0.0
-    assert with_overhead["prefill"].scaled(2.0).serving_overhead_ms == 25.0  # scaling steps leaves the stack's time alone
+        with_serving_overhead({"main_decode": ALONE}, Mode.pdd, [OverheadSample(0, 8.0)])
+    assert (ALONE.scaled(2.0).serving_overhead_ms, ALONE.scaled(2.0).serving_overhead_ms_per_in_flight) == (0.0, 0.0)
+    # scaling steps leaves the stack's time alone
+    assert with_overhead["prefill"].scaled(2.0) == replace(ALONE.scaled(2.0), serving_overhead_ms=pytest.approx(20.0),
+                                                          serving_overhead_ms_per_in_flight=pytest.approx(5.0))
 
 
 def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app_is_named(monkeypatch):
     journeys = [
-        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0}},
-        {"mode": "pdd", "pipeline": "P-RLD", "ttft_ms": 90.0, "engine_ttft_ms": {"prefill": 60.0, "relay_decode": 5.0}},
-        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "error": "boom", "engine_ttft_ms": {"prefill": 15.0}},
-        {"mode": "colocated", "pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}},
+        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0}, "started_at": 1.0, "finished_at": 9.0},
+        {"mode": "pdd", "pipeline": "P-RLD", "ttft_ms": 90.0, "engine_ttft_ms": {"prefill": 60.0, "relay_decode": 5.0}, "started_at": 3.0,
+         "finished_at": 4.0},
+        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "error": "boom", "engine_ttft_ms": {"prefill": 15.0}, "started_at": 2.0,
+         "finished_at": 2.5},
+        {"mode": "colocated", "pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}, "started_at": 0.0,
+         "finished_at": 5.0},
     ]
     seen = []
 
@@ -205,8 +247,8 @@ def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app
     url = f"http://127.0.0.1:{server.server_port}"
     monkeypatch.setenv("PDD_API_KEY", "k1")
     try:
-        assert app_serving_overheads(url, Mode.pdd) == [pytest.approx(25.0), pytest.approx(30.0)]
-        assert app_serving_overheads(url, Mode.colocated) == [pytest.approx(17.5)]
+        assert app_serving_overheads(url, Mode.pdd) == [(1, pytest.approx(25.0)), (2, pytest.approx(30.0))]  # every mode in flight
+        assert app_serving_overheads(url, Mode.colocated) == [(0, pytest.approx(17.5))]
     finally:
         server.shutdown()
         server.server_close()

@@ -75,12 +75,14 @@ def test_decode_ramp_rejects_a_zero_step():
 
 # ---- fitting -------------------------------------------------------------------------
 
-def _samples(a, b, c, d, shapes, noise=lambda i: 0.0, e=0.0):
-    """Steps of a model with those coefficients; a shape's pairs are its prefill's own (p^2/2) plus its decode reads."""
+def _samples(a, b, c, d, shapes, noise=lambda i: 0.0, e=0.0, f=0.0):
+    """Steps of a model with those coefficients; a shape's pairs are its prefill's own (p^2/2) plus its decode reads;
+    a prefill beside the largest context reads it as a prefix (one chunk after a prefix)."""
     out = []
     for i, (p, s, k) in enumerate(shapes):
         pairs = p * p / 2 + (k if s else 0)
-        out.append(StepSample(p, s, k, (a + b * p + c * s + d * k + e * pairs) * (1 + noise(i)), pairs))
+        chunks = int(p > 0 and k == 4000)
+        out.append(StepSample(p, s, k, (a + b * p + c * s + d * k + e * pairs + f * chunks) * (1 + noise(i)), pairs, prefix_chunks=chunks))
     return out
 
 
@@ -88,13 +90,15 @@ SHAPES = [(p, s, k) for p in (0, 32, 256, 1024) for s in (0, 1, 8, 32) for k in 
 
 
 def test_fit_recovers_the_generating_coefficients():
-    fitted = fit_from_samples(_samples(4.0, 0.02, 0.7, 0.001, SHAPES, noise=lambda i: 0.002 * ((i * 7919) % 11 - 5) / 5, e=2e-5))
+    fitted = fit_from_samples(_samples(4.0, 0.02, 0.7, 0.001, SHAPES, noise=lambda i: 0.002 * ((i * 7919) % 11 - 5) / 5, e=2e-5, f=3.0))
     assert fitted.a_ms == pytest.approx(4.0, rel=0.02)
     assert fitted.b_ms_per_prefill_token == pytest.approx(0.02, rel=0.02)
     assert fitted.c_ms_per_decode_seq == pytest.approx(0.7, rel=0.02)
     assert fitted.d_ms_per_kv_token == pytest.approx(0.001, rel=0.05)
     assert fitted.e_ms_per_attention_pair == pytest.approx(2e-5, rel=0.05)
+    assert fitted.f_ms_per_prefix_chunk == pytest.approx(3.0, rel=0.05)
     assert fitted.step_s(100, 4, 1000, 9000) == pytest.approx((4.0 + 2 + 2.8 + 1 + 0.18) / 1000, rel=0.01)
+    assert fitted.step_s(100, 4, 1000, 9000, 2) == pytest.approx((4.0 + 2 + 2.8 + 1 + 0.18 + 6.0) / 1000, rel=0.01)
 
 
 #: Steps a calibration measured on a 2-core dev machine (ms, two repeats per shape):
@@ -139,7 +143,7 @@ def test_samples_and_model_json_roundtrip(tmp_path):
     assert FittedPerf.from_json(fitted.to_json()) == fitted
     (tmp_path / "one.json").write_text(fitted.to_json())
     assert load_perf(tmp_path / "one.json") == fitted
-    roles = {"prefill": replace(fitted, serving_overhead_ms=17.5), "main_decode": replace(fitted, neighbor_slowdown=0.4).scaled(1.5)}
+    roles = {"prefill": replace(fitted, serving_overhead_ms=17.5, serving_overhead_ms_per_in_flight=3.5), "main_decode": replace(fitted, neighbor_slowdown=0.4).scaled(1.5)}
     assert roles["main_decode"].neighbor_slowdown == 0.4  # a share of the step, whatever its scale
     assert roles["main_decode"].step_s(100, 4, 1000, 9000) == pytest.approx(1.5 * fitted.step_s(100, 4, 1000, 9000), rel=1e-12)
     (tmp_path / "roles.json").write_text(roles_to_json(roles))
@@ -149,13 +153,16 @@ def test_samples_and_model_json_roundtrip(tmp_path):
 def test_a_model_saved_before_the_serving_overhead_and_host_sharing_reads_with_none(tmp_path):
     path = tmp_path / "old.json"
     path.write_text('{"a_ms": 2.0, "b_ms_per_prefill_token": 0.01, "c_ms_per_decode_seq": 0.5, "d_ms_per_kv_token": 0.002}')
-    assert (load_perf(path).serving_overhead_ms, load_perf(path).neighbor_slowdown) == (0.0, 0.0)
+    model = load_perf(path)
+    assert (model.serving_overhead_ms, model.serving_overhead_ms_per_in_flight, model.neighbor_slowdown) == (0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize(("text", "named"), [
     ('{"a_ms": 1.0, "steps": []}', "b_ms_per_prefill_token: Field required"),
     ('{"a_ms": 1.0, "steps": []}', "steps: Unexpected keyword argument"),
     ('{"a_ms": -1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0}', "a_ms: Input should be greater than or equal to 0"),
+    ('{"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0, "serving_overhead_ms_per_in_flight": -2}',
+     "serving_overhead_ms_per_in_flight: Input should be greater than or equal to 0"),
     ("[]", "expected a fitted model (an object), got a list"),
     ("{oops", "not JSON"),
     ('{"roles": {"prefil": {}}}', "roles.prefil: not a role"),

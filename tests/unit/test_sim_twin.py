@@ -123,6 +123,28 @@ def test_the_entry_roles_serving_overhead_delays_every_token_once(mode):
         assert (o.ttft_s, o.tpot_s) == (pytest.approx(b.ttft_s, rel=1e-9), pytest.approx(b.tpot_s, rel=1e-9))
 
 
+def test_the_serving_overhead_grows_with_the_requests_in_flight_on_arrival():
+    """The conductor and the replicas stream the tokens of the requests in flight on the same CPUs as the next request's way in."""
+    models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": FittedPerf(2.0, 0, 0.1, 0), "main_decode": FittedPerf(3.0, 0.01, 0.1, 0)}
+    loaded = {**models, "prefill": replace(models["prefill"], serving_overhead_ms=5.0, serving_overhead_ms_per_in_flight=20.0)}
+    # a long answer; another conversation's turn while it decodes (P idle again); a third after both ended
+    reqs = [Request(0.0, "a", 1000, 0, 400), Request(0.5, "b", 800, 0, 4), Request(60.0, "c", 900, 0, 4)]
+    base, delayed = (simulate(tiny_config("pdd"), reqs, m).records() for m in (models, loaded))
+    assert base[0].ttft_s + base[0].tpot_s * 399 > 0.5  # the first is still in flight when the second arrives
+    assert [d.ttft_s - b.ttft_s for b, d in zip(base, delayed)] == [pytest.approx(0.005), pytest.approx(0.025), pytest.approx(0.005)]
+
+
+def test_each_prefill_chunk_after_a_prefix_pays_the_models_cost_per_chunk():
+    plain = FittedPerf(2.0, 0.01, 0.1, 0.0001)
+    config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
+    # three chunks, the second and third after the first; then a turn after its cached conversation
+    reqs = [Request(0.0, "s", 1200, 0, 2), Request(10.0, "s", 1300, 1202, 2)]
+    base, costly = (simulate(config, reqs, {"main_decode": m}).records() for m in (plain, replace(plain, f_ms_per_prefix_chunk=7.0)))
+    assert costly[0].ttft_s - base[0].ttft_s == pytest.approx(0.014)
+    assert costly[1].ttft_s - base[1].ttft_s == pytest.approx(0.007)
+    assert (costly[0].tpot_s, costly[1].tpot_s) == (pytest.approx(base[0].tpot_s), pytest.approx(base[1].tpot_s))  # decodes do not
+
+
 def test_chunked_prefill_by_hand():
     config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
     r = only(simulate(config, [Request(0.0, "s", 1200, 0, 1)]))
