@@ -128,21 +128,26 @@ class PrefixIndex:
         """
         if not candidates:
             raise ValueError("no candidate replicas")
-        for rid, capacity in candidates.items():
-            self._cache(rid, capacity)
         replicas = self._replicas
-        loads = {rid: load(rid) for rid in candidates}
-        idlest = min(loads.values())
-        limit = idlest + self.imbalance_limit
-        # (held blocks, routed blocks) first; the tie-breaks are computed only for a tie
-        scores = {rid: (replicas[rid].held.matched(keys), replicas[rid].routed.matched(keys)) for rid in candidates if loads[rid] <= limit}
-        top = max(scores.values())
-        tied = [rid for rid, score in scores.items() if score == top]
+        loads = {}
+        for rid, capacity in candidates.items():
+            if rid not in replicas:
+                replicas[rid] = ReplicaCache(capacity)
+            loads[rid] = load(rid)
+        limit = min(loads.values()) + self.imbalance_limit
+        # held blocks first, then routed blocks; each is computed only where it can still decide
+        held = {rid: replicas[rid].held.matched(keys) for rid in candidates if loads[rid] <= limit}
+        most = max(held.values())
+        tied = [rid for rid, blocks in held.items() if blocks == most]
+        if len(tied) > 1:
+            routed = {rid: replicas[rid].routed.matched(keys) for rid in tied}
+            most_routed = max(routed.values())
+            tied = [rid for rid in tied if routed[rid] == most_routed]
         best = tied[0]
         if len(tied) > 1:
             first = keys[0] if keys else 0
             best = min(tied, key=lambda rid: (loads[rid], len(replicas[rid]), -zlib.crc32(f"{first}:{rid}".encode())))
-        return Choice(best, top[0] * self.block_size)
+        return Choice(best, most * self.block_size)
 
     def route(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
         """A request for these blocks was sent to the replica (not yet confirmed)."""
