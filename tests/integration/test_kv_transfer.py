@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import threading
@@ -174,15 +175,22 @@ def test_killing_prefill_after_its_prefill_makes_decoders_recompute(app):
     assert got["text"] == reference
 
 
-def wait_wan_up(app, timeout_s: float = 30) -> None:
-    """Until the conductor routes over the WAN again (its link view refreshes every second)."""
+def wait_wan_up(app, timeout_s: float = 60) -> None:
+    """Until the conductor routes over the WAN again: the link is no longer cut, and a one-token PDD
+    probe gets past the WAN check (the routing's view refreshes every second, and on a loaded
+    machine a slow link emulator can keep its datacenter counted cut off a few refreshes longer)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while httpx.get(f"{app.base_url}/pdd/state", timeout=10).json()["links"][WAN]["is_cut"]:
+    while httpx.get(f"{app.base_url}/pdd/state", timeout=10).json()["links"].get(WAN, {"is_cut": True})["is_cut"]:
         assert time.monotonic() < deadline, "the WAN stayed cut"
         time.sleep(0.2)
-    time.sleep(1.5)  # and the routing's own view of it
+    for probe in itertools.count():
+        decision = completion(app, tokens(1000 + probe, 64), 1, mode="pdd")[1]["decision"]
+        if not decision["reason"].startswith("WAN down"):
+            return
+        assert time.monotonic() < deadline, f"the conductor still routes as if the WAN were down: {decision}"
+        time.sleep(0.5)
 
 
 def _prefill_done(app) -> bool:
