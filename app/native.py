@@ -10,9 +10,9 @@ front of the import system that loads the compiled modules only while all their
 sources hash as they did at build time: after an edit, the twin runs as plain
 Python until the next build, never as stale code. All or none, as the compiled
 modules take each other's classes as C types (a compiled module refuses to load
-beside the plain Python one of a class it declares). Without a build, with a different Python, or
-with PDD_NATIVE=0, everything runs as plain Python; the results are the same
-either way (tests/unit/test_native.py runs the twin both ways and compares).
+beside the plain Python one of a class it declares). Without a build, with a
+different Python, or with PDD_NATIVE=0, everything runs as plain Python; the
+results are the same either way (tests/unit/test_native.py runs the twin both ways and compares).
 
 Modules with coroutines stay Python (asyncio and FastAPI tell coroutine functions
 apart by type, which Cython's are not), and so do pydantic models (pydantic

@@ -9,9 +9,11 @@ running sequences. Two models answer the same questions:
   takes the longer of its compute time and its memory time (weights, plus the
   KV attention reads: `kv_read_bytes_per_token` per context token).
 - `FittedPerf`: `step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read
-  + e*attention_pairs`, fitted to measured steps (`fit_from_samples`); the
-  calibration path for machines without a spec, such as the CPU dev cluster.
-  The pair term is what makes a long prefill cost more per token than a short one.
+  + e*attention_pairs + f*prefix_chunks`, fitted to measured steps
+  (`fit_from_samples`); the calibration path for machines without a spec, such
+  as the CPU dev cluster. The pair term is what makes a long prefill cost more
+  per token than a short one; the chunk term, a short chunk after a long cached
+  prefix cost more than its tokens.
 
 Decode-only stretches are simulated without a per-step event: with `n`
 sequences and `K0` context tokens, step `k` reads `K0 + k*n` tokens, so its
