@@ -24,7 +24,9 @@ request's serving overhead: its TTFT at the conductor less the engine
 replicas' own (app/sim/calibrate.py `serving_overhead_ms`), and the requests
 in flight when it arrived, as the overhead grows with them. The
 measured run's own steps and overheads go to
-bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check).
+bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check),
+and its requests' journeys (GET /pdd/requests/{id}: pipeline, transfers,
+handoff, engine timings) to bench/out/pipelines_journeys_MODE.json.
 
 Two worst-case latency figures per request:
 - worst gap: the longest wait between two tokens after the first;
@@ -81,6 +83,11 @@ def write_steps(path: Path, journeys: list[dict]) -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
                                 "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)]}))
+
+
+def journeys_path(mode: str) -> Path:
+    """Where the journeys of a mode's measured run are written."""
+    return OUT_DIR / f"pipelines_journeys_{mode}.json"
 
 
 def fetch_journeys(base_url: str, ids: list[str]) -> list[dict]:
@@ -273,6 +280,7 @@ def main() -> None:
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
             journeys[mode] = fetch_journeys(app.base_url, ids)
             write_steps(steps_path(mode, "run"), journeys[mode])
+            journeys_path(mode).write_text(json.dumps(journeys[mode]))
             results[mode] = result
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             write_trace(trace_path(mode), sorted(sent))
@@ -298,6 +306,7 @@ def main() -> None:
                 "ttft_ms": rec.ttft_s * 1000, "server_ttft_ms": j.get("ttft_ms"), "serving_overhead_ms": serving_overhead_ms(j), "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
                 "md_hit_estimate": decision.get("md_hit_estimate"), "expected_wan_ms": decision.get("expected_wan_ms"),
                 "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
+                "handoff_latency_ms": (j.get("handoff") or {}).get("latency_ms"),
                 "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN), "error": rec.error or "",
             })
 
