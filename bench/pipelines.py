@@ -22,8 +22,9 @@ twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
 request's serving overhead: its TTFT at the conductor less the engine
 replicas' own (app/sim/calibrate.py `serving_overhead_ms`), and the requests
-in flight when it arrived, as the overhead grows with them. The
-measured run's own steps and overheads go to
+in flight when it arrived, as the overhead grows with them; and each KV pull
+inside a datacenter, less its link's own time (`kv_pulls`: the transport's
+cost). The measured run's own steps, overheads and pulls go to
 bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check),
 and its requests' journeys (GET /pdd/requests/{id}: pipeline, transfers,
 handoff, engine timings) to bench/out/pipelines_journeys_MODE.json.
@@ -54,7 +55,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
-from app.sim.calibrate import serving_overhead_ms, serving_overheads, take_app_steps
+from app.config import PDDConfig, parse_config
+from app.sim.calibrate import kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
@@ -75,14 +77,16 @@ def steps_path(mode: str, run: str = "calibration") -> Path:
     return OUT_DIR / (f"pipelines_steps_{mode}.json" if run == "calibration" else f"pipelines_steps_{mode}_{run}.json")
 
 
-def write_steps(path: Path, journeys: list[dict]) -> None:
-    """The steps the app's engines timed since the last take, by role, and the
+def write_steps(path: Path, journeys: list[dict], config: PDDConfig) -> None:
+    """The steps the app's engines timed since the last take, by role, the
     serving overhead of each of `journeys` that has one, with the requests in
-    flight when it arrived (app/sim/calibrate.py `serving_overheads`)."""
+    flight when it arrived (app/sim/calibrate.py `serving_overheads`), and
+    their KV pulls inside a datacenter (`kv_pulls`)."""
     steps = take_app_steps("pipelines")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
-                                "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)]}))
+                                "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)],
+                                "kv_pulls": [sample._asdict() for sample in kv_pulls(journeys, config)]}))
 
 
 def journeys_path(mode: str) -> Path:
@@ -195,13 +199,13 @@ def calibration_trace(requests: int, rps: float, seed: int, span_s: float) -> li
     return list(scaled(trace, trace[-1].arrival_s / span_s)) if span_s > 0 and trace[-1].arrival_s > 0 else trace
 
 
-def calibrate(base_url: str, mode: str, trace: list[Request], seed: int) -> None:
+def calibrate(base_url: str, mode: str, trace: list[Request], seed: int, config: PDDConfig) -> None:
     """Serve `mode` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
     _, ids, _ = asyncio.run(replay(base_url, trace, mode, seed))
-    write_steps(steps_path(mode), fetch_journeys(base_url, ids))
+    write_steps(steps_path(mode), fetch_journeys(base_url, ids), config)
 
 
 def worst_wait_ms(result: LoadResult, q: float) -> float:
@@ -246,6 +250,7 @@ def main() -> None:
     modes = a.modes.split(",")
 
     args = bench_args(a.gpu)
+    config = parse_config(args)
     trace = list(workload(a.requests, a.rps, a.seed).generate())
     hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
     console.print(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
@@ -271,7 +276,7 @@ def main() -> None:
             take_app_steps("pipelines")  # steps from here on are this mode's (each write_steps takes them too)
             if a.calibration_requests:
                 console.print(f"[bold]{mode}[/bold], calibration replay")
-                calibrate(app.base_url, mode, calibration, a.seed + 1000)
+                calibrate(app.base_url, mode, calibration, a.seed + 1000, config)
             else:
                 steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
             conductor.reset_prefix_caches.remote().result()
@@ -279,7 +284,7 @@ def main() -> None:
             console.print(f"[bold]{mode}[/bold]")
             result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
             journeys[mode] = fetch_journeys(app.base_url, ids)
-            write_steps(steps_path(mode, "run"), journeys[mode])
+            write_steps(steps_path(mode, "run"), journeys[mode], config)
             journeys_path(mode).write_text(json.dumps(journeys[mode]))
             results[mode] = result
             OUT_DIR.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,10 @@
    cores: the conductor, Serve's routing, the token channel, the replica's own
    input and output processing), fitted as a base plus a share per other
    request in flight, goes on the model of the role requests enter by, and the
-   twin adds it to each request. `--calibration idle` keeps the model of the engine alone (no
+   twin adds it to each request. So does the cost of the KV transport beyond
+   the links (each pull inside a datacenter less its idle link's time, fitted
+   as a cost per pull plus one per MB), which the twin adds to every pull
+   (`--no-kv-pull-cost`: none). `--calibration idle` keeps the model of the engine alone (no
    overhead); `--calibration run` fits it to the steps of
    the very run compared (in-sample, a diagnosis: what is left when the step
    times are right is the twin's own); `--perf FILE` uses a saved model as is.
@@ -64,7 +67,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import OverheadSample, RoleFit, calibrate, fit_to_app_steps, with_model_spec, with_serving_overhead
+from app.sim.calibrate import (OverheadSample, PullSample, RoleFit, calibrate, fit_to_app_steps, with_kv_pull, with_model_spec,
+                               with_serving_overhead)
 from app.sim.cluster import derive, entry_role
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -119,10 +123,11 @@ def _number(value: str | None) -> float | None:
     return None if math.isnan(x) else x
 
 
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
-               host_sharing: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample]]:
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_sharing: bool = True,
+               kv_pull_cost: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample], list[PullSample]]:
     """`base` fitted per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
-    with the serving overhead fitted to that replay's on the entry role's model; the fits and the overheads."""
+    with the serving overhead and (with `kv_pull_cost`) the KV transport's cost fitted to that replay's on the
+    entry role's model; the fits, the overheads and the pulls."""
     path = steps_path(mode.value, run)
     if not path.exists():
         raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
@@ -136,8 +141,11 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration",
     overheads = [OverheadSample(**sample) for sample in doc.get("serving_overheads") or []]
     if not overheads:
         raise SystemExit(f"{path} has no serving overheads with the requests in flight: run bench/pipelines.py again")
-    models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, mode, overheads)
-    return models, fits, overheads
+    if "kv_pulls" not in doc:
+        raise SystemExit(f"{path} has no KV pulls: run bench/pipelines.py again")
+    pulls = [PullSample(**sample) for sample in doc["kv_pulls"]] if kv_pull_cost else []
+    models = with_kv_pull(with_serving_overhead({role: fit.model for role, fit in fits.items()}, mode, overheads), mode, pulls)
+    return models, fits, overheads, pulls
 
 
 def main() -> None:
@@ -150,6 +158,8 @@ def main() -> None:
     ap.add_argument("--perf", type=Path, help="a step-time model JSON used as is for every mode (app/sim/perf.py load_perf)")
     ap.add_argument("--no-host-sharing", dest="host_sharing", action="store_false",
                     help="scale each role by one factor instead of fitting how busy engines on this host slow each other")
+    ap.add_argument("--no-kv-pull-cost", dest="kv_pull_cost", action="store_false",
+                    help="leave out the KV transport's cost beyond the links (fitted to the replay's pulls inside a datacenter)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the twin's link draws")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -183,10 +193,11 @@ def main() -> None:
         if a.calibration in ("app", "run"):
             source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
             for mode in modes:
-                models, fits, overheads = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", a.host_sharing)
+                run = "calibration" if a.calibration == "app" else "run"
+                models, fits, overheads, pulls = app_models(alone, mode, run, a.host_sharing, a.kv_pull_cost)
                 perfs[mode] = models
                 if a.host_sharing:
-                    one_factor[mode] = app_models(alone, mode, "calibration" if a.calibration == "app" else "run", False)[0]
+                    one_factor[mode] = app_models(alone, mode, run, False, a.kv_pull_cost)[0]
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
                 entry = models[entry_role(mode).value]
                 ms = [sample.ms for sample in overheads]
@@ -194,7 +205,9 @@ def main() -> None:
                               + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
                               + f"; serving overhead {entry.serving_overhead_ms:.1f} ms a request + "
                               f"{entry.serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(ms)}: "
-                              f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)")
+                              f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)"
+                              + (f"; KV pulls {entry.kv_pull_ms:.1f} ms + {entry.kv_pull_ms_per_mb:.2f} ms/MB beyond the link (fitted to "
+                                 f"{len(pulls)} pulls inside a datacenter)" if pulls else ""))
             console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")
 
     real: dict[str, dict] = {}

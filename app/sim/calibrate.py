@@ -50,6 +50,14 @@ with the others in flight when it arrived, `fit_serving_overhead` fits a line
 to them (a median regression), and `with_serving_overhead` puts it on the
 model of the role requests enter by, which the twin adds to each.
 
+Nor is a link's time all of a KV pull's: the connector's transport at both
+ends takes its own (on vLLM-CPU, a TCP transport and copies into the cache,
+a few ms a pull and a few ms a MB, where the intra-datacenter link alone
+would take well under one). `kv_pulls` takes it from the journeys' pulls on
+links inside a datacenter (each pull's time less its idle link's),
+`fit_kv_pulls` fits a line over their size, and `with_kv_pull` puts it on
+the entry role's model, from which the twin adds it to every pull.
+
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
 """
@@ -289,11 +297,10 @@ def serving_overheads(journeys: Sequence[Mapping], mode: Mode | None = None) -> 
     return samples
 
 
-def app_serving_overheads(url: str, mode: Mode) -> list[OverheadSample]:
-    """The serving overhead of every journey of `mode` the app at `url` still
-    keeps (GET /pdd/requests; PDD_API_KEY for auth), requests in flight counted
-    over all its journeys. Raises ConnectionError naming the address when it
-    cannot be read."""
+def app_journeys(url: str) -> list[dict]:
+    """Every journey the app at `url` still keeps (GET /pdd/requests;
+    PDD_API_KEY for auth), for `serving_overheads` and `kv_pulls`. Raises
+    ConnectionError naming the address when they cannot be read."""
     import httpx
 
     from app.journal import JOURNAL_CAPACITY
@@ -304,34 +311,38 @@ def app_serving_overheads(url: str, mode: Mode) -> list[OverheadSample]:
         resp.raise_for_status()
     except httpx.HTTPError as err:
         raise ConnectionError(f"cannot read {url}/pdd/requests: {err}") from None
-    return serving_overheads(resp.json()["requests"], mode)
+    return resp.json()["requests"]
 
 
 def fit_serving_overhead(samples: Sequence[OverheadSample]) -> tuple[float, float]:
     """(ms with no other request in flight, ms more per request in flight): the
-    line with the least total absolute distance to the samples, a median
-    regression, so the few requests that waited far longer (a blocked event
-    loop, a garbage collection, most often at the rare high counts in flight)
-    do not pull it. Both kept >= 0; one count in flight only gives its median
-    and no slope. Raises ValueError without samples."""
+    line with the least total absolute distance to the samples (`median_line`),
+    so the few requests that waited far longer (a blocked event loop, a garbage
+    collection, most often at the rare high counts in flight) do not pull it.
+    Raises ValueError without samples."""
     if not samples:
         raise ValueError("no serving overhead samples")
-    counts = [float(s.in_flight) for s in samples]
-    ms = [s.ms for s in samples]
+    return median_line([float(s.in_flight) for s in samples], [s.ms for s in samples])
+
+
+def median_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(base, slope) of the line with the least total absolute distance to the
+    points (xs[i], ys[i]), a median regression; both kept >= 0. Points at one x
+    only give their median and no slope."""
 
     def base(slope: float) -> float:
-        return max(0.0, statistics.median([y - slope * x for x, y in zip(counts, ms)]))
+        return max(0.0, statistics.median([y - slope * x for x, y in zip(xs, ys)]))
 
     def distance(slope: float) -> float:
         b = base(slope)
-        return math.fsum(abs(y - b - slope * x) for x, y in zip(counts, ms))
+        return math.fsum(abs(y - b - slope * x) for x, y in zip(xs, ys))
 
-    if min(counts) == max(counts):
-        return statistics.median(ms), 0.0
+    if min(xs) == max(xs):
+        return base(0.0), 0.0
     # the distance is convex in the slope (while the base stays above 0): a golden-section
-    # search between no slope and the steepest any two samples allow
-    levels = sorted(set(counts))
-    low, high = 0.0, (max(ms) - min(ms)) / min(upper - lower for lower, upper in zip(levels, levels[1:]))
+    # search between no slope and the steepest any two points allow
+    levels = sorted(set(xs))
+    low, high = 0.0, (max(ys) - min(ys)) / min(upper - lower for lower, upper in zip(levels, levels[1:]))
     ratio = (math.sqrt(5) - 1) / 2
     while high - low > 1e-6 * (1 + high):
         left, right = high - ratio * (high - low), low + ratio * (high - low)
@@ -343,19 +354,73 @@ def fit_serving_overhead(samples: Sequence[OverheadSample]) -> tuple[float, floa
     return base(slope), slope
 
 
+class PullSample(NamedTuple):
+    """One KV pull over a link inside a datacenter: its size, and its time
+    beyond what the link alone gives it."""
+
+    mb: float
+    ms: float
+
+
+def kv_pulls(journeys: Sequence[Mapping], config: PDDConfig) -> list[PullSample]:
+    """The pulls of `journeys` (their `transfers`) that ended well on links
+    inside one datacenter, each less its link's time for it when idle (RTT and
+    bandwidth: `LinkModel.transfer_seconds`). Pulls across datacenters are left
+    out: they wait for each other on the WAN's shared bandwidth, which the twin
+    models itself. Raises KeyError for a link the config does not have."""
+    from app.kv.link import LinkModel
+
+    links: dict[str, LinkModel] = {}
+    samples = []
+    for journey in journeys:
+        for pull in journey.get("transfers") or ():
+            src, _, dst = str(pull.get("link", "")).partition("->")
+            if src != dst or not pull.get("ok") or not pull.get("bytes"):
+                continue
+            link = links.get(src)
+            if link is None:
+                link = links[src] = LinkModel(config.link(src, dst))
+            samples.append(PullSample(pull["bytes"] / 1e6, (pull["seconds"] - link.transfer_seconds(pull["bytes"])) * 1000))
+    return samples
+
+
+def fit_kv_pulls(samples: Sequence[PullSample]) -> tuple[float, float]:
+    """(ms a pull, ms per MB) of the KV transport beyond the link: `median_line`
+    over the pulls' sizes, so pulls that waited behind others on a busy CPU do
+    not pull it. Raises ValueError without samples."""
+    if not samples:
+        raise ValueError("no KV pull samples")
+    return median_line([s.mb for s in samples], [s.ms for s in samples])
+
+
+def with_kv_pull(models: Mapping[str, FittedPerf], mode: Mode, pulls: Sequence[PullSample]) -> dict[str, FittedPerf]:
+    """`models` with the KV transport's cost fitted to `pulls` (`fit_kv_pulls`)
+    on the model of the role `mode`'s requests enter by, from which the twin
+    adds it to every pull. No pulls: `models` as they are."""
+    if not pulls:
+        return dict(models)
+    per_pull, per_mb = fit_kv_pulls(pulls)
+    return _on_entry_model(models, mode, kv_pull_ms=per_pull, kv_pull_ms_per_mb=per_mb)
+
+
 def with_serving_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads: Sequence[OverheadSample]) -> dict[str, FittedPerf]:
     """`models` (by role name) with the serving overhead fitted to `overheads`
     (`fit_serving_overhead`) on the model of the role `mode`'s requests enter
     by (`entry_role`), which the twin delays each request by. No overheads:
     `models` as they are."""
-    out = dict(models)
-    if overheads:
-        role = entry_role(mode).value
-        if role not in out:
-            raise ValueError(f"no step model for {role}, which {mode.value} requests enter by: it timed no step")
-        base, per_in_flight = fit_serving_overhead(overheads)
-        out[role] = replace(out[role], serving_overhead_ms=base, serving_overhead_ms_per_in_flight=per_in_flight)
-    return out
+    if not overheads:
+        return dict(models)
+    base, per_in_flight = fit_serving_overhead(overheads)
+    return _on_entry_model(models, mode, serving_overhead_ms=base, serving_overhead_ms_per_in_flight=per_in_flight)
+
+
+def _on_entry_model(models: Mapping[str, FittedPerf], mode: Mode, **figures: float) -> dict[str, FittedPerf]:
+    """`models` with `figures` set on the model of the role `mode`'s requests enter by, which carries the
+    app's own costs; ValueError when that role has no model."""
+    role = entry_role(mode).value
+    if role not in models:
+        raise ValueError(f"no step model for {role}, which {mode.value} requests enter by: it timed no step")
+    return {**models, role: replace(models[role], **figures)}
 
 
 class _Coverage:

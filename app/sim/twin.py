@@ -25,6 +25,8 @@ and `serving_overhead_ms_per_in_flight`, measured in the real app): each
 request enters its pipeline that much after it arrives, more for each other
 request in flight then, for the conductor, Serve's routing and the token
 channel, which add that to the real first token (and to every later one alike).
+It may also carry the KV transport's cost per pull (`kv_pull_ms`,
+`kv_pull_ms_per_mb`), which every link adds to its pulls (network.Link.set_transport).
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.
@@ -87,6 +89,8 @@ class Twin(PDDPipelines):
         entry = pools[entry_role(self.mode)][0]
         self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000
         self.overhead_per_in_flight_s = getattr(entry.perf, "serving_overhead_ms_per_in_flight", 0.0) / 1000
+        for link in self.cluster.links.values():
+            link.set_transport(getattr(entry.perf, "kv_pull_ms", 0.0) / 1000, getattr(entry.perf, "kv_pull_ms_per_mb", 0.0) / 1e9)
         self.outages = Outages(outages)
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]

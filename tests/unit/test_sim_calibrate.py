@@ -17,7 +17,8 @@ from app.cli import main as pdd
 from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
-from app.sim.calibrate import (OverheadSample, _Prompts, app_serving_overheads, busy_neighbors, fit_serving_overhead, fit_to_app_steps,
+from app.sim.calibrate import (OverheadSample, PullSample, _Prompts, app_journeys, busy_neighbors, fit_kv_pulls, fit_serving_overhead,
+                               fit_to_app_steps, kv_pulls, with_kv_pull,
                                model_spec_from_folder, serving_overhead_ms, serving_overheads, with_model_spec, with_serving_overhead)
 from app.sim.perf import FittedPerf, StepSample
 
@@ -217,6 +218,38 @@ def test_the_fitted_overhead_goes_on_the_role_requests_enter_by():
                                                           serving_overhead_ms_per_in_flight=pytest.approx(5.0))
 
 
+def test_kv_pulls_are_the_transports_time_beyond_the_link_inside_a_datacenter():
+    config = load_config(LOCAL)  # dc-a <-> dc-a: 20 Gbit/s, 0.1 ms; the WAN 40 Mbit/s
+    journeys = [
+        {"transfers": [{"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 5_000_000, "seconds": 0.030, "ok": True},
+                       {"link": "dc-a->dc-b", "to_role": "main_decode", "bytes": 5_000_000, "seconds": 1.5, "ok": True}]},
+        {"transfers": [{"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 1_000_000, "seconds": 9.0, "ok": False},
+                       {"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 0, "seconds": 0.002, "ok": True}]},
+        {"pipeline": "colocated"},
+    ]
+    # 5 MB take 2 ms on the link and its 0.1 ms RTT: 27.9 ms are the transport's; the WAN's pull, a failed one and an empty one are not counted
+    assert kv_pulls(journeys, config) == [PullSample(5.0, pytest.approx(30.0 - 0.1 - 2.0))]
+    assert kv_pulls([], config) == []
+    with pytest.raises(KeyError, match="no link between 'dc-c' and 'dc-c'"):
+        kv_pulls([{"transfers": [{"link": "dc-c->dc-c", "bytes": 10, "seconds": 0.01, "ok": True}]}], config)
+
+
+def test_the_kv_pull_line_is_a_median_regression_that_goes_on_the_entry_role():
+    # 4 ms + 4.5 ms/MB, and pulls that waited behind others for a busy CPU
+    line = [PullSample(mb, 4.0 + 4.5 * mb) for mb in (0.1, 0.3, 0.3, 0.5, 1.0, 2.0, 3.7, 6.0, 10.0)]
+    late = [PullSample(0.2, 90.0), PullSample(1.0, 60.0), PullSample(6.0, 150.0)]
+    per_pull, per_mb = fit_kv_pulls(line + late)
+    assert (per_pull, per_mb) == (pytest.approx(4.0, abs=1e-3), pytest.approx(4.5, abs=1e-3))
+    with pytest.raises(ValueError, match="no KV pull samples"):
+        fit_kv_pulls([])
+    models = {"prefill": ALONE, "relay_decode": ALONE.scaled(1.5), "main_decode": ALONE.scaled(1.2)}
+    costly = with_kv_pull(models, Mode.pdd, line)
+    assert costly["prefill"] == replace(ALONE, kv_pull_ms=pytest.approx(4.0, abs=1e-3), kv_pull_ms_per_mb=pytest.approx(4.5, abs=1e-3))
+    assert {r: m for r, m in costly.items() if r != "prefill"} == {r: m for r, m in models.items() if r != "prefill"}
+    assert with_kv_pull(models, Mode.pdd, []) == models
+    assert costly["prefill"].scaled(2.0).kv_pull_ms == costly["prefill"].kv_pull_ms  # not a step cost
+
+
 def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app_is_named(monkeypatch):
     journeys = [
         {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0}, "started_at": 1.0, "finished_at": 9.0},
@@ -247,14 +280,15 @@ def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app
     url = f"http://127.0.0.1:{server.server_port}"
     monkeypatch.setenv("PDD_API_KEY", "k1")
     try:
-        assert app_serving_overheads(url, Mode.pdd) == [(1, pytest.approx(25.0)), (2, pytest.approx(30.0))]  # every mode in flight
-        assert app_serving_overheads(url, Mode.colocated) == [(0, pytest.approx(17.5))]
+        kept = app_journeys(url)
+        assert serving_overheads(kept, Mode.pdd) == [(1, pytest.approx(25.0)), (2, pytest.approx(30.0))]  # every mode in flight
+        assert serving_overheads(kept, Mode.colocated) == [(0, pytest.approx(17.5))]
     finally:
         server.shutdown()
         server.server_close()
     assert seen[0] == (f"/pdd/requests?limit={JOURNAL_CAPACITY}", "Bearer k1")
     with pytest.raises(ConnectionError, match=f"cannot read {url}/pdd/requests"):
-        app_serving_overheads(url, Mode.pdd)
+        app_journeys(url)
 
 
 def test_calibrating_from_an_app_says_what_is_missing(tmp_path):

@@ -134,6 +134,21 @@ def test_the_serving_overhead_grows_with_the_requests_in_flight_on_arrival():
     assert [d.ttft_s - b.ttft_s for b, d in zip(base, delayed)] == [pytest.approx(0.005), pytest.approx(0.025), pytest.approx(0.005)]
 
 
+def test_every_pull_pays_the_kv_transport_and_its_bytes_where_the_link_is_faster():
+    """The entry role's model carries the KV connector's own cost per pull; a link slower than it paces the bytes itself."""
+    models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": FittedPerf(2.0, 0, 0.1, 0), "main_decode": FittedPerf(3.0, 0.01, 0.1, 0)}
+    costly = {**models, "prefill": replace(models["prefill"], kv_pull_ms=3.0, kv_pull_ms_per_mb=2.0)}  # 500 MB/s: under 100 Gbit/s, over 1 Gbit/s
+    reqs = [Request(0.0, "s", 1000, 0, 8)]
+    pulled = math.ceil(1000 / BLOCK) * BLOCK * KVB / 1e6  # MB of the prompt's blocks, the last one part-filled
+    # P-D inside dc-a: the decoder's first token, the request's second, comes later by the whole cost
+    base, slow = (only(simulate(tiny_config("pd_intra_dc"), reqs, m)) for m in (models, costly))
+    assert slow.ttft_s == pytest.approx(base.ttft_s, rel=1e-9)
+    assert slow.max_gap_s - base.max_gap_s == pytest.approx((3.0 + 2.0 * pulled) / 1000, rel=1e-9)
+    # naive P-D across the WAN, which is slower than the transport: the first token waits the cost per pull only
+    base, slow = (only(simulate(tiny_config("pd_cross_dc_naive"), reqs, m)) for m in (models, costly))
+    assert slow.ttft_s - base.ttft_s == pytest.approx(0.003, rel=1e-9)
+
+
 def test_each_prefill_chunk_after_a_prefix_pays_the_models_cost_per_chunk():
     plain = FittedPerf(2.0, 0.01, 0.1, 0.0001)
     config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
