@@ -22,9 +22,10 @@ twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
 request's serving overhead: its TTFT at the conductor less the engine
 replicas' own (app/sim/calibrate.py `serving_overhead_ms`), and the requests
-in flight when it arrived, as the overhead grows with them; and each KV pull
-inside a datacenter, less its link's own time (`kv_pulls`: the transport's
-cost). The measured run's own steps, overheads and pulls go to
+in flight when it arrived, as the overhead grows with them; each decoder
+replica's own time on its request (`decoder_request_overheads`); and each KV
+pull inside a datacenter, less its link's own time (`kv_pulls`: the
+transport's cost). The measured run's own steps, overheads and pulls go to
 bench/out/pipelines_steps_MODE_run.json (for sim_vs_real's in-sample check),
 and its requests' journeys (GET /pdd/requests/{id}: pipeline, transfers,
 handoff, engine timings) to bench/out/pipelines_journeys_MODE.json.
@@ -56,7 +57,7 @@ from rich.table import Table
 
 from app.faults import Faults
 from app.config import PDDConfig, parse_config
-from app.sim.calibrate import kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
+from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
@@ -80,12 +81,14 @@ def steps_path(mode: str, run: str = "calibration") -> Path:
 def write_steps(path: Path, journeys: list[dict], config: PDDConfig) -> None:
     """The steps the app's engines timed since the last take, by role, the
     serving overhead of each of `journeys` that has one, with the requests in
-    flight when it arrived (app/sim/calibrate.py `serving_overheads`), and
-    their KV pulls inside a datacenter (`kv_pulls`)."""
+    flight when it arrived (app/sim/calibrate.py `serving_overheads`), the
+    decoder replicas' own time on their requests (`decoder_request_overheads`)
+    and their KV pulls inside a datacenter (`kv_pulls`)."""
     steps = take_app_steps("pipelines")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
                                 "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)],
+                                "decoder_request_overheads": decoder_request_overheads(journeys),
                                 "kv_pulls": [sample._asdict() for sample in kv_pulls(journeys, config)]}))
 
 

@@ -18,7 +18,9 @@
    twin adds it to each request. So does the cost of the KV transport beyond
    the links (each pull inside a datacenter less its idle link's time, fitted
    as a cost per pull plus one per MB), which the twin adds to every pull
-   (`--no-kv-pull-cost`: none). `--calibration idle` keeps the model of the engine alone (no
+   (`--no-kv-pull-cost`: none), and each decoder replica's own time on a
+   request it gets after P's first token, its median added to each such
+   request (`--no-decoder-overhead`: none). `--calibration idle` keeps the model of the engine alone (no
    overhead); `--calibration run` fits it to the steps of
    the very run compared (in-sample, a diagnosis: what is left when the step
    times are right is the twin's own); `--perf FILE` uses a saved model as is.
@@ -67,8 +69,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName, parse_config
-from app.sim.calibrate import (OverheadSample, PullSample, RoleFit, calibrate, fit_to_app_steps, with_kv_pull, with_model_spec,
-                               with_serving_overhead)
+from app.sim.calibrate import (OverheadSample, PullSample, RoleFit, calibrate, fit_to_app_steps, with_decoder_overhead, with_kv_pull,
+                               with_model_spec, with_serving_overhead)
 from app.sim.cluster import derive, entry_role
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -123,11 +125,11 @@ def _number(value: str | None) -> float | None:
     return None if math.isnan(x) else x
 
 
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_sharing: bool = True,
-               kv_pull_cost: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample], list[PullSample]]:
+def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_sharing: bool = True, kv_pull_cost: bool = True,
+               decoder_overhead: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample], list[PullSample]]:
     """`base` fitted per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
-    with the serving overhead and (with `kv_pull_cost`) the KV transport's cost fitted to that replay's on the
-    entry role's model; the fits, the overheads and the pulls."""
+    with the serving overhead, and (unless turned off) the KV transport's cost and the decoders' request
+    overhead, fitted to that replay's on the entry role's model; the fits, the overheads and the pulls."""
     path = steps_path(mode.value, run)
     if not path.exists():
         raise SystemExit(f"{path} is missing: run bench/pipelines.py (with --calibration-requests > 0) first, or pass --calibration idle")
@@ -141,10 +143,11 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_shar
     overheads = [OverheadSample(**sample) for sample in doc.get("serving_overheads") or []]
     if not overheads:
         raise SystemExit(f"{path} has no serving overheads with the requests in flight: run bench/pipelines.py again")
-    if "kv_pulls" not in doc:
-        raise SystemExit(f"{path} has no KV pulls: run bench/pipelines.py again")
+    if "kv_pulls" not in doc or "decoder_request_overheads" not in doc:
+        raise SystemExit(f"{path} has no KV pulls or decoder request overheads: run bench/pipelines.py again")
     pulls = [PullSample(**sample) for sample in doc["kv_pulls"]] if kv_pull_cost else []
     models = with_kv_pull(with_serving_overhead({role: fit.model for role, fit in fits.items()}, mode, overheads), mode, pulls)
+    models = with_decoder_overhead(models, mode, doc["decoder_request_overheads"] if decoder_overhead else [])
     return models, fits, overheads, pulls
 
 
@@ -160,6 +163,8 @@ def main() -> None:
                     help="scale each role by one factor instead of fitting how busy engines on this host slow each other")
     ap.add_argument("--no-kv-pull-cost", dest="kv_pull_cost", action="store_false",
                     help="leave out the KV transport's cost beyond the links (fitted to the replay's pulls inside a datacenter)")
+    ap.add_argument("--no-decoder-overhead", dest="decoder_overhead", action="store_false",
+                    help="leave out the decoder replicas' own time on the requests they get after P's first token")
     ap.add_argument("--seed", type=int, default=0, help="seed of the twin's link draws")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -194,10 +199,10 @@ def main() -> None:
             source = "calibration replay" if a.calibration == "app" else "measured run (in-sample)"
             for mode in modes:
                 run = "calibration" if a.calibration == "app" else "run"
-                models, fits, overheads, pulls = app_models(alone, mode, run, a.host_sharing, a.kv_pull_cost)
+                models, fits, overheads, pulls = app_models(alone, mode, run, a.host_sharing, a.kv_pull_cost, a.decoder_overhead)
                 perfs[mode] = models
                 if a.host_sharing:
-                    one_factor[mode] = app_models(alone, mode, run, False, a.kv_pull_cost)[0]
+                    one_factor[mode] = app_models(alone, mode, run, False, a.kv_pull_cost, a.decoder_overhead)[0]
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
                 entry = models[entry_role(mode).value]
                 ms = [sample.ms for sample in overheads]
@@ -207,7 +212,9 @@ def main() -> None:
                               f"{entry.serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(ms)}: "
                               f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)"
                               + (f"; KV pulls {entry.kv_pull_ms:.1f} ms + {entry.kv_pull_ms_per_mb:.2f} ms/MB beyond the link (fitted to "
-                                 f"{len(pulls)} pulls inside a datacenter)" if pulls else ""))
+                                 f"{len(pulls)} pulls inside a datacenter)" if pulls else "")
+                              + (f"; decoder request overhead {entry.decoder_request_overhead_ms:.1f} ms (median)"
+                                 if entry.decoder_request_overhead_ms else ""))
             console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")
 
     real: dict[str, dict] = {}

@@ -56,7 +56,11 @@ a few ms a pull and a few ms a MB, where the intra-datacenter link alone
 would take well under one). `kv_pulls` takes it from the journeys' pulls on
 links inside a datacenter (each pull's time less its idle link's),
 `fit_kv_pulls` fits a line over their size, and `with_kv_pull` puts it on
-the entry role's model, from which the twin adds it to every pull.
+the entry role's model, from which the twin adds it to every pull. And a
+decoder's replica processes each request it gets after P's first token, as
+P's does the first: `decoder_request_overheads` takes that time from the
+journeys, and `with_decoder_overhead` puts its median on the entry role's
+model, by which the twin delays each such request.
 
 `model_spec_from_folder` reads a Hugging Face model folder's config.json for
 the figures the twin needs when the serve config has no `model.spec`.
@@ -352,6 +356,37 @@ def median_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]
             low = left
     slope = (low + high) / 2
     return base(slope), slope
+
+
+CONTINUED = frozenset(p.value for p in (Pipeline.p_d, Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld))
+"""Pipelines whose first token comes from P and whose decoders continue the stream."""
+
+
+def decoder_request_overheads(journeys: Sequence[Mapping]) -> list[float]:
+    """For each journey of a `CONTINUED` pipeline, each decoder replica's time on
+    its request outside vLLM's engine core (`engine_ttft_ms` less
+    `engine_core_ttft_ms`): its own input and output processing, which
+    `serving_overhead_ms` counts only for the engines the first token waited for.
+    Journeys with an error or a failover are left out."""
+    samples = []
+    for journey in journeys:
+        if journey.get("error") or journey.get("failovers") or journey.get("pipeline") not in CONTINUED:
+            continue
+        replica, core = journey.get("engine_ttft_ms") or {}, journey.get("engine_core_ttft_ms") or {}
+        for role in (RoleName.relay_decode.value, RoleName.main_decode.value):
+            if role in replica and role in core:
+                samples.append(replica[role] - core[role])
+    return samples
+
+
+def with_decoder_overhead(models: Mapping[str, FittedPerf], mode: Mode, overheads: Sequence[float]) -> dict[str, FittedPerf]:
+    """`models` with the median of `overheads` (`decoder_request_overheads`, kept >= 0)
+    as the decoder request overhead on the model of the role `mode`'s requests enter
+    by, from which the twin delays each request a decoder gets after P's first token.
+    No overheads: `models` as they are."""
+    if not overheads:
+        return dict(models)
+    return _on_entry_model(models, mode, decoder_request_overhead_ms=max(0.0, statistics.median(overheads)))
 
 
 class PullSample(NamedTuple):

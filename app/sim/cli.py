@@ -182,8 +182,9 @@ def calibrate(
 ) -> None:
     """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
     with --from-app, fit that model per role to the steps a running app's engines timed while serving (and how busy engines on one host slow
-    each other), and add its journeys' serving overhead and KV transport cost."""
-    from app.sim.calibrate import app_journeys, kv_pulls, serving_overheads, with_kv_pull, with_serving_overhead
+    each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost."""
+    from app.sim.calibrate import (app_journeys, decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull,
+                                   with_serving_overhead)
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import load_perf, roles_to_json, save_samples
 
@@ -203,6 +204,8 @@ def calibrate(
             overheads, pulls = serving_overheads(journeys, config.mode), kv_pulls(journeys, config)
             models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
             models = with_kv_pull(models, config.mode, pulls)
+            decoder_overheads = decoder_request_overheads([j for j in journeys if j.get("mode") == config.mode.value])
+            models = with_decoder_overhead(models, config.mode, decoder_overheads)
             text = roles_to_json(models)
             summary = "\n".join(
                 f"{role}: {len(samples[role])} timed steps, {fit.describe()}" if fit.factor is not None else
@@ -216,6 +219,9 @@ def calibrate(
             if pulls:
                 summary += (f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
                             f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model")
+            if decoder_overheads:
+                summary += (f"\ndecoder request overhead: {models[entry].decoder_request_overhead_ms:.1f} ms (median of "
+                            f"{len(decoder_overheads)} decoder requests), on {entry}'s model")
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")

@@ -54,14 +54,16 @@ class Link:
         self.pull_s = pull_s
         self.pull_s_per_byte = pull_s_per_byte if self.bw * pull_s_per_byte > 1 else 0.0
 
-    def send(self, nbytes: int, done: Callable[[Any], None], arg: Any) -> None:
-        """Move `nbytes`; call `done(arg)` when the last byte arrived (at once for 0 bytes)."""
+    def send(self, nbytes: int, done: Callable[[Any], None], arg: Any, after: float = 0.0) -> None:
+        """Move `nbytes`, asked for `after` seconds from now (the receiving replica's own
+        processing of its request); call `done(arg)` when the last byte arrived (at once
+        then for 0 bytes)."""
         loop = self.loop
         if nbytes <= 0:
-            loop.at(loop.now, done, arg)
+            loop.at(loop.now + after, done, arg)
             return
         self.transfers += 1
-        start = loop.now
+        start = loop.now + after
         for s, e in self.down:
             if s <= start < e:
                 start = e

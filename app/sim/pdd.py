@@ -264,7 +264,7 @@ class PDDPipelines:
             need, cb = req.prompt_tokens + 1 + upto, self._md_step_done
         job.d.streams += 1
         pj = PrefillJob(job, max(1, tokens), ctx, need, job.dl, cb)
-        self.loop.at(self.loop.now + self.ow, _submit, (job.d, pj))
+        self.loop.at(self.loop.now + self.ow + self.decoder_overhead_s, _submit, (job.d, pj))
 
     @cython.locals(pj=PrefillJob, job=Job)
     def _handed_over(self, pj: PrefillJob) -> None:

@@ -29,7 +29,8 @@ chunk itself), `attention_pairs` the (query, key) token pairs it computed
 (optional, 0 when unknown: the fit then has no pair term). A fitted model saves
 as `{"a_ms": ..., "b_ms_per_prefill_token": ..., "c_ms_per_decode_seq": ...,
 "d_ms_per_kv_token": ..., "e_ms_per_attention_pair": ..., "f_ms_per_prefix_chunk": ...,
-"serving_overhead_ms": ..., "serving_overhead_ms_per_in_flight": ..., "kv_pull_ms": ...,
+"serving_overhead_ms": ..., "serving_overhead_ms_per_in_flight": ...,
+"decoder_request_overhead_ms": ..., "kv_pull_ms": ...,
 "kv_pull_ms_per_mb": ..., "neighbor_slowdown": ...}` (`FittedPerf.to_json` /
 `from_json`; a model saved without `e`, `f`, the overheads, the pull costs or
 the slowdown reads them as 0).
@@ -129,6 +130,14 @@ class FittedPerf:
     request arrives: the conductor and the replicas stream those requests'
     tokens on the same CPUs (app/sim/calibrate.py `fit_serving_overhead`).
     `scaled` keeps it."""
+    decoder_request_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Of each request a decoder gets after the first token came from P (a
+    relay's or main decoder's continuation, MD's warm-up and extend steps),
+    the time the decoder's replica spends on it outside vLLM's engine core,
+    its own input and output processing (app/sim/calibrate.py
+    `decoder_request_overheads`); the serving overhead counts that only for
+    the engines the first token waits for. The twin delays each such request
+    by it. `scaled` keeps it."""
     kv_pull_ms: Annotated[float, Field(ge=0)] = 0.0
     """Each KV pull's time beyond what its link gives it (RTT, jitter, bandwidth
     shared among pulls): the KV connector's own work at both ends, measured in
@@ -172,6 +181,7 @@ class FittedPerf:
                 + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
                 + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else "")
                 + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else "")
+                + (f"; decoder request overhead {self.decoder_request_overhead_ms:.1f} ms" if self.decoder_request_overhead_ms else "")
                 + (f"; KV pull {self.kv_pull_ms:.1f} ms + {self.kv_pull_ms_per_mb:.2f} ms/MB beyond its link"
                    if self.kv_pull_ms or self.kv_pull_ms_per_mb else ""))
 

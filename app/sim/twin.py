@@ -26,7 +26,9 @@ request enters its pipeline that much after it arrives, more for each other
 request in flight then, for the conductor, Serve's routing and the token
 channel, which add that to the real first token (and to every later one alike).
 It may also carry the KV transport's cost per pull (`kv_pull_ms`,
-`kv_pull_ms_per_mb`), which every link adds to its pulls (network.Link.set_transport).
+`kv_pull_ms_per_mb`), which every link adds to its pulls (network.Link.set_transport),
+and a decoder replica's own time on each request it gets after P's first token
+(`decoder_request_overhead_ms`), which delays that request's pull or extend step.
 
 Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
 - colocated: main_decode prefills and decodes.
@@ -89,6 +91,7 @@ class Twin(PDDPipelines):
         entry = pools[entry_role(self.mode)][0]
         self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000
         self.overhead_per_in_flight_s = getattr(entry.perf, "serving_overhead_ms_per_in_flight", 0.0) / 1000
+        self.decoder_overhead_s = getattr(entry.perf, "decoder_request_overhead_ms", 0.0) / 1000
         for link in self.cluster.links.values():
             link.set_transport(getattr(entry.perf, "kv_pull_ms", 0.0) / 1000, getattr(entry.perf, "kv_pull_ms_per_mb", 0.0) / 1e9)
         self.outages = Outages(outages)
@@ -286,7 +289,8 @@ class Twin(PDDPipelines):
             job.wan += nbytes
             if job.done:
                 self.results.add_wan(job.row, nbytes)
-        link.send(nbytes, done, job)
+        # the naive decoder's replica is on the first token's way: the serving overhead counts it
+        link.send(nbytes, done, job, 0.0 if job.pipe is P_D_NAIVE else self.decoder_overhead_s)
 
     @cython.locals(job=Job)
     def _pull_done(self, job: Job) -> None:

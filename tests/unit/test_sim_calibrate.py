@@ -18,7 +18,8 @@ from app.config import Mode, RoleName, load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
 from app.sim.calibrate import (OverheadSample, PullSample, _Prompts, app_journeys, busy_neighbors, fit_kv_pulls, fit_serving_overhead,
-                               fit_to_app_steps, kv_pulls, with_kv_pull,
+                               decoder_request_overheads, fit_to_app_steps, kv_pulls, with_decoder_overhead,
+                               with_kv_pull,
                                model_spec_from_folder, serving_overhead_ms, serving_overheads, with_model_spec, with_serving_overhead)
 from app.sim.perf import FittedPerf, StepSample
 
@@ -216,6 +217,24 @@ def test_the_fitted_overhead_goes_on_the_role_requests_enter_by():
     # scaling steps leaves the stack's time alone
     assert with_overhead["prefill"].scaled(2.0) == replace(ALONE.scaled(2.0), serving_overhead_ms=pytest.approx(20.0),
                                                           serving_overhead_ms_per_in_flight=pytest.approx(5.0))
+
+
+def test_decoder_request_overheads_are_the_decoder_replicas_own_time_where_p_gave_the_first_token():
+    journeys = [
+        {"pipeline": "P-RLD-MD", "engine_ttft_ms": {"prefill": 50.0, "relay_decode": 30.0, "main_decode": 400.0},
+         "engine_core_ttft_ms": {"prefill": 45.0, "relay_decode": 22.0, "main_decode": 395.0}},
+        {"pipeline": "P-MD", "engine_ttft_ms": {"prefill": 50.0, "main_decode": 90.0}, "engine_core_ttft_ms": {"prefill": 40.0, "main_decode": 80.0}},
+        {"pipeline": "P-D", "engine_ttft_ms": {"relay_decode": 20.0}, "engine_core_ttft_ms": {}},  # the core's figure missing
+        {"pipeline": "P-D-naive", "engine_ttft_ms": {"main_decode": 90.0}, "engine_core_ttft_ms": {"main_decode": 70.0}},  # in the serving overhead
+        {"pipeline": "colocated", "engine_ttft_ms": {"main_decode": 90.0}, "engine_core_ttft_ms": {"main_decode": 70.0}},
+        {"pipeline": "P-MD", "error": "boom", "engine_ttft_ms": {"main_decode": 90.0}, "engine_core_ttft_ms": {"main_decode": 10.0}},
+        {"pipeline": "P-MD", "failovers": [{"from": "main_decode"}], "engine_ttft_ms": {"main_decode": 90.0}, "engine_core_ttft_ms": {"main_decode": 10.0}},
+    ]
+    assert decoder_request_overheads(journeys) == [8.0, 5.0, 10.0]
+    models = {"prefill": ALONE, "main_decode": ALONE.scaled(1.2)}
+    assert with_decoder_overhead(models, Mode.pdd, [8.0, 5.0, 10.0]) == {**models, "prefill": replace(ALONE, decoder_request_overhead_ms=8.0)}
+    assert with_decoder_overhead(models, Mode.pdd, [-3.0])["prefill"].decoder_request_overhead_ms == 0.0
+    assert with_decoder_overhead(models, Mode.pdd, []) == models
 
 
 def test_kv_pulls_are_the_transports_time_beyond_the_link_inside_a_datacenter():

@@ -143,7 +143,8 @@ def test_samples_and_model_json_roundtrip(tmp_path):
     assert FittedPerf.from_json(fitted.to_json()) == fitted
     (tmp_path / "one.json").write_text(fitted.to_json())
     assert load_perf(tmp_path / "one.json") == fitted
-    roles = {"prefill": replace(fitted, serving_overhead_ms=17.5, serving_overhead_ms_per_in_flight=3.5, kv_pull_ms=4.0, kv_pull_ms_per_mb=4.5),
+    roles = {"prefill": replace(fitted, serving_overhead_ms=17.5, serving_overhead_ms_per_in_flight=3.5, kv_pull_ms=4.0, kv_pull_ms_per_mb=4.5,
+                             decoder_request_overhead_ms=6.5),
              "main_decode": replace(fitted, neighbor_slowdown=0.4).scaled(1.5)}
     assert roles["main_decode"].neighbor_slowdown == 0.4  # a share of the step, whatever its scale
     assert roles["main_decode"].step_s(100, 4, 1000, 9000) == pytest.approx(1.5 * fitted.step_s(100, 4, 1000, 9000), rel=1e-12)
@@ -156,7 +157,7 @@ def test_a_model_saved_before_the_serving_overhead_and_host_sharing_reads_with_n
     path.write_text('{"a_ms": 2.0, "b_ms_per_prefill_token": 0.01, "c_ms_per_decode_seq": 0.5, "d_ms_per_kv_token": 0.002}')
     model = load_perf(path)
     assert (model.serving_overhead_ms, model.serving_overhead_ms_per_in_flight, model.neighbor_slowdown) == (0.0, 0.0, 0.0)
-    assert (model.f_ms_per_prefix_chunk, model.kv_pull_ms, model.kv_pull_ms_per_mb) == (0.0, 0.0, 0.0)
+    assert (model.f_ms_per_prefix_chunk, model.decoder_request_overhead_ms, model.kv_pull_ms, model.kv_pull_ms_per_mb) == (0.0, 0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize(("text", "named"), [

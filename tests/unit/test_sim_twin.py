@@ -149,6 +149,16 @@ def test_every_pull_pays_the_kv_transport_and_its_bytes_where_the_link_is_faster
     assert slow.ttft_s - base.ttft_s == pytest.approx(0.003, rel=1e-9)
 
 
+@pytest.mark.parametrize(("mode", "delays_the_second_token"), [("pd_intra_dc", True), ("pd_cross_dc_naive", False)])
+def test_a_decoder_replicas_own_time_delays_each_request_it_gets_after_ps_first_token(mode, delays_the_second_token):
+    """Not the naive decoder's: its replica is on the first token's way, which the serving overhead counts."""
+    models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": FittedPerf(2.0, 0, 0.1, 0), "main_decode": FittedPerf(3.0, 0.01, 0.1, 0)}
+    slow = {**models, "prefill": replace(models["prefill"], decoder_request_overhead_ms=7.0)}
+    base, delayed = (only(simulate(tiny_config(mode), [Request(0.0, "s", 1000, 0, 8)], m)) for m in (models, slow))
+    assert delayed.ttft_s == pytest.approx(base.ttft_s, rel=1e-9)
+    assert delayed.max_gap_s - base.max_gap_s == pytest.approx(0.007 if delays_the_second_token else 0.0, abs=1e-12)
+
+
 def test_each_prefill_chunk_after_a_prefix_pays_the_models_cost_per_chunk():
     plain = FittedPerf(2.0, 0.01, 0.1, 0.0001)
     config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
