@@ -362,8 +362,8 @@ CONTINUED = frozenset(p.value for p in (Pipeline.p_d, Pipeline.p_md, Pipeline.p_
 """Pipelines whose first token comes from P and whose decoders continue the stream."""
 
 
-def decoder_request_overheads(journeys: Sequence[Mapping]) -> list[float]:
-    """For each journey of a `CONTINUED` pipeline, each decoder replica's time on
+def decoder_request_overheads(journeys: Sequence[Mapping], mode: Mode | None = None) -> list[float]:
+    """For each journey (of `mode`, if given) of a `CONTINUED` pipeline, each decoder replica's time on
     its request outside vLLM's engine core (`engine_ttft_ms` less
     `engine_core_ttft_ms`): its own input and output processing, which
     `serving_overhead_ms` counts only for the engines the first token waited for.
@@ -371,6 +371,8 @@ def decoder_request_overheads(journeys: Sequence[Mapping]) -> list[float]:
     samples = []
     for journey in journeys:
         if journey.get("error") or journey.get("failovers") or journey.get("pipeline") not in CONTINUED:
+            continue
+        if mode is not None and journey.get("mode") != mode.value:
             continue
         replica, core = journey.get("engine_ttft_ms") or {}, journey.get("engine_core_ttft_ms") or {}
         for role in (RoleName.relay_decode.value, RoleName.main_decode.value):

@@ -204,7 +204,7 @@ def calibrate(
             overheads, pulls = serving_overheads(journeys, config.mode), kv_pulls(journeys, config)
             models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
             models = with_kv_pull(models, config.mode, pulls)
-            decoder_overheads = decoder_request_overheads([j for j in journeys if j.get("mode") == config.mode.value])
+            decoder_overheads = decoder_request_overheads(journeys, config.mode)
             models = with_decoder_overhead(models, config.mode, decoder_overheads)
             text = roles_to_json(models)
             summary = "\n".join(

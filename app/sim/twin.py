@@ -92,8 +92,9 @@ class Twin(PDDPipelines):
         self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000
         self.overhead_per_in_flight_s = getattr(entry.perf, "serving_overhead_ms_per_in_flight", 0.0) / 1000
         self.decoder_overhead_s = getattr(entry.perf, "decoder_request_overhead_ms", 0.0) / 1000
+        pull_s, pull_s_per_byte = getattr(entry.perf, "kv_pull_ms", 0.0) / 1000, getattr(entry.perf, "kv_pull_ms_per_mb", 0.0) / 1e9
         for link in self.cluster.links.values():
-            link.set_transport(getattr(entry.perf, "kv_pull_ms", 0.0) / 1000, getattr(entry.perf, "kv_pull_ms_per_mb", 0.0) / 1e9)
+            link.set_transport(pull_s, pull_s_per_byte)
         self.outages = Outages(outages)
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]
