@@ -505,6 +505,7 @@ class Conductor:
                 blocks=int(report.get("blocks", 0)),
                 bytes=int(report.get("bytes", 0)),
                 seconds=float(report.get("seconds", 0.0)),
+                queued_seconds=float(report.get("queued_seconds", 0.0)),
                 ok=bool(report.get("ok", True)),
                 error=report.get("error"),
             )

@@ -314,6 +314,11 @@ class KVTransferSettings(_Strict):
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     transfer_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     """A pull not done by then is abandoned; the decoder recomputes."""
+    concurrent_pulls: Annotated[int, Field(ge=1)] = 8
+    """Pulls one decoding engine runs at once (its connector's pull threads); the
+    others wait their turn, first come first served, and that wait is not part of
+    a transfer's `seconds` (it is its `queued_seconds`). Fewer at once: each pull
+    on a slow link finishes sooner, but a small one may wait behind large ones."""
 
 
 class SLOConfig(_Strict):

@@ -25,6 +25,9 @@ class Transfer:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    """From the pull's start to its last byte."""
+    queued_seconds: float = 0.0
+    """How long the pull waited for one of the decoder's pull threads before it started."""
     ok: bool = True
     error: str | None = None
 

@@ -50,10 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: Concurrent pulls per decoding engine.
-PULL_THREADS = 8
-
-
 @dataclass(frozen=True)
 class ConnectorSettings:
     datacenter: str
@@ -67,6 +63,8 @@ class ConnectorSettings:
     """The Serve replica owning this engine: the engine exits when it is gone."""
     record_steps: bool = False
     """Time every engine step (app/kv/steps.py) and report it with the connector's stats."""
+    concurrent_pulls: int = 8
+    """Pull threads: pulls this engine runs at once (KVTransferSettings.concurrent_pulls)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -79,6 +77,7 @@ class ConnectorSettings:
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 120.0)),
             owner_pid=int(extra["owner_pid"]) if extra.get("owner_pid") else None,
             record_steps=bool(extra.get("record_steps", False)),
+            concurrent_pulls=int(extra.get("concurrent_pulls", 8)),
         )
 
 
@@ -285,7 +284,7 @@ class PDDConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._layout = KVLayout.from_caches(kv_caches, self._kv_cache_config.num_blocks)
         self._server = BlockServer(lambda: self._layout, self._leases, "0.0.0.0", self._settings.block_port)
-        self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="pdd-kv-pull")
+        self._pool = ThreadPoolExecutor(self._settings.concurrent_pulls, thread_name_prefix="pdd-kv-pull")
         logger.info("PDDConnector: block server on port %d, %d bytes per block", self._server.port, self._layout.block_nbytes)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -296,7 +295,7 @@ class PDDConnector(KVConnectorBase_V1):
         for spec in meta.pulls:
             assert self._pool is not None and self._layout is not None
             s = self._settings
-            self._inflight[spec.request_id] = self._pool.submit(pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s)
+            self._inflight[spec.request_id] = self._pool.submit(pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -271,15 +271,21 @@ class PullResult:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    queued_seconds: float = 0.0
+    """From the pull's submission to a free pull thread."""
     ok: bool = True
     error: str | None = None
     failed_block_ids: list[int] = field(default_factory=list)
 
 
-def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float) -> PullResult:
-    """Fetch the blocks into this engine's cache; failures are reported, never raised."""
+def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float,
+                submitted_at: float | None = None) -> PullResult:
+    """Fetch the blocks into this engine's cache; failures are reported, never raised.
+    `submitted_at` (time.monotonic()): when the pull was handed to the pull threads."""
     result = PullResult(spec.request_id, spec.link, requested_blocks=len(spec.remote_indices))
     t0 = time.monotonic()
+    if submitted_at is not None:
+        result.queued_seconds = max(0.0, t0 - submitted_at)
     written: set[int] = set()
     try:
         target = spec.relay or spec.source

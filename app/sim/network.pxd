@@ -3,3 +3,6 @@
 
 cdef class Link:
     cdef public object loop, model, bw, vt, t_last, heap, version, _order, bytes, transfers, wan, down, pull_s, pull_s_per_byte
+
+cdef class PullSlots:
+    cdef public object loop, free, waiting

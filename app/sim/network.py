@@ -1,4 +1,5 @@
-"""Links between datacenters: a latency draw per transfer, then bandwidth shared.
+"""Links between datacenters: a latency draw per transfer, then bandwidth shared;
+and each decoding engine's pull threads, which bound how many of its pulls move at once.
 
 Each transfer (one KV pull) first waits the link's RTT plus a jitter draw and
 possibly a stall (drawn by app.kv.link.LinkModel, the same draws the real
@@ -11,11 +12,17 @@ Processor sharing runs in virtual time: `vt` is the bytes each active flow has
 received since the link last went idle, growing at bandwidth / active flows;
 a flow added at `vt0` with `b` bytes ends when `vt` reaches `vt0 + b`. Adding
 or ending a flow is O(log flows) and needs one pending event per link.
+
+A decoding engine runs only so many pulls at once (`PullSlots`, the PDD
+connector's pull threads): under a burst of cold prompts the others queue in
+order, off the link, so the pulls on the wire finish sooner than an equal share
+of the bandwidth among all of them would let them.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 from itertools import count
 from typing import Any
@@ -54,16 +61,14 @@ class Link:
         self.pull_s = pull_s
         self.pull_s_per_byte = pull_s_per_byte if self.bw * pull_s_per_byte > 1 else 0.0
 
-    def send(self, nbytes: int, done: Callable[[Any], None], arg: Any, after: float = 0.0) -> None:
-        """Move `nbytes`, asked for `after` seconds from now (the receiving replica's own
-        processing of its request); call `done(arg)` when the last byte arrived (at once
-        then for 0 bytes)."""
+    def send(self, nbytes: int, done: Callable[[Any], None], arg: Any) -> None:
+        """Move `nbytes`; call `done(arg)` when the last byte arrived (at once for 0 bytes)."""
         loop = self.loop
         if nbytes <= 0:
-            loop.at(loop.now + after, done, arg)
+            loop.at(loop.now, done, arg)
             return
         self.transfers += 1
-        start = loop.now + after
+        start = loop.now
         for s, e in self.down:
             if s <= start < e:
                 start = e
@@ -111,3 +116,43 @@ class Link:
     @property
     def active_flows(self) -> int:
         return len(self.heap)
+
+
+class PullSlots:
+    """One decoding engine's pulls: at most `slots` move at once (the connector's pull
+    threads, KVTransferSettings.concurrent_pulls); the others wait their turn in order.
+    Their wait is not on the link: it is neither bandwidth shared nor a latency draw."""
+
+    __slots__ = ("loop", "free", "waiting")
+
+    def __init__(self, loop: Loop, slots: int):
+        self.loop = loop
+        self.free = slots
+        self.waiting: deque[tuple[Link, int, Callable[[Any], None], Any]] = deque()
+
+    def pull(self, link: Link, nbytes: int, done: Callable[[Any], None], arg: Any, after: float = 0.0) -> None:
+        """Pull `nbytes` over `link`, asked for `after` seconds from now (the engine's own
+        processing of its request first); call `done(arg)` when the last byte arrived
+        (at once then for 0 bytes: an empty pull takes no thread's time worth modelling)."""
+        loop = self.loop
+        if nbytes <= 0:
+            loop.at(loop.now + after, done, arg)
+        elif after > 0:
+            loop.at(loop.now + after, self._ask, (link, nbytes, done, arg))
+        else:
+            self._ask((link, nbytes, done, arg))
+
+    def _ask(self, pull: tuple[Link, int, Callable[[Any], None], Any]) -> None:
+        if self.free:
+            self.free -= 1
+            pull[0].send(pull[1], self._ended, pull)
+        else:
+            self.waiting.append(pull)
+
+    def _ended(self, pull: tuple[Link, int, Callable[[Any], None], Any]) -> None:
+        if self.waiting:
+            nxt = self.waiting.popleft()
+            nxt[0].send(nxt[1], self._ended, nxt)
+        else:
+            self.free += 1
+        pull[2](pull[3])

@@ -101,7 +101,7 @@ class PDDPipelines:
             self._open_decoder(job, job.r, req.prefix_tokens)
             job.rl = job.dl
             job.pulls = 1
-            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
+            self._send(self.intra, job.r, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
             return
         if pipe is P_MD:
             job.pulls = 1
@@ -110,7 +110,7 @@ class PDDPipelines:
             r.streams += 1
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
             job.pulls = 2
-            self._send(self.intra, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
+            self._send(self.intra, r, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
             job.warm = self.pending.track(job.md.name, job.keys)
         self.pending.after(job.after, self._main_pull, job)
 
@@ -122,7 +122,7 @@ class PDDPipelines:
         if job.done:  # the relay finished the request while MD's pull waited
             self.results.set_decode_hit(job.row, job.dl.hit)
         self.wan_backlog.add(job.wan_planned, self.loop.now)
-        self._send(self.wan, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
+        self._send(self.wan, job.md, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
 
     @cython.locals(job=Job)
     def _singular_pulled(self, job: Job) -> None:

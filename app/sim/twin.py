@@ -53,6 +53,7 @@ from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, mode
 from app.sim.engine import Instance, PrefillJob, Seq
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
+from app.sim.network import PullSlots
 from app.sim.outages import Outage, Outages
 from app.sim.pdd import P_D_NAIVE, P_RLD_MD, PDDPipelines
 from app.sim.pending import PendingMDWork
@@ -99,6 +100,7 @@ class Twin(PDDPipelines):
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
+        self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls) for name in self.replicas}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
         replicas = self.replicas
@@ -284,14 +286,15 @@ class Twin(PDDPipelines):
         self._settle(job)
         self._finish(job)
 
-    def _send(self, link, job: Job, blocks: int, done: Callable[[Job], None]) -> None:
+    def _send(self, link, to: Instance, job: Job, blocks: int, done: Callable[[Job], None]) -> None:
+        """Decoder `to` pulls `blocks` of P's KV over `link`, in turn with its other pulls."""
         nbytes = blocks * self.block_bytes
         if link.wan:
             job.wan += nbytes
             if job.done:
                 self.results.add_wan(job.row, nbytes)
         # the naive decoder's replica is on the first token's way: the serving overhead counts it
-        link.send(nbytes, done, job, 0.0 if job.pipe is P_D_NAIVE else self.decoder_overhead_s)
+        self.pulls[to.name].pull(link, nbytes, done, job, 0.0 if job.pipe is P_D_NAIVE else self.decoder_overhead_s)
 
     @cython.locals(job=Job)
     def _pull_done(self, job: Job) -> None:
@@ -338,7 +341,7 @@ class Twin(PDDPipelines):
         d, _ = self._route(RoleName.relay_decode, job.keys)
         self._open_decoder(job, d, req.prefix_tokens)
         job.pulls = 1
-        self._send(self.intra, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
+        self._send(self.intra, d, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
 
     @cython.locals(job=Job)
     def _pd_pulled(self, job: Job) -> None:
@@ -361,7 +364,7 @@ class Twin(PDDPipelines):
         self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
         self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
         job.pulls = 1
-        self._send(self.wan, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
+        self._send(self.wan, d, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
 
     @cython.locals(job=Job)
     def _naive_pulled(self, job: Job) -> None:

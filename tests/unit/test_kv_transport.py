@@ -4,6 +4,7 @@ with real torch tensors standing in for two engines' paged KV caches."""
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -44,11 +45,29 @@ def test_pull_copies_exactly_the_requested_blocks(source):
     before = {n: t.clone() for n, t in dst.items()}
     result = pull_blocks(spec(server, "lease-1", [1, 2], [5, 6]), dst_layout, 2, 10)
     assert result.ok and result.blocks == 2 and result.bytes == 2 * layout.block_nbytes
+    assert result.queued_seconds == 0.0  # not submitted through pull threads
     for name in kv:
         assert torch.equal(dst[name][5], kv[name][7]) and torch.equal(dst[name][6], kv[name][9])
         untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6)]
         assert torch.equal(dst[name][untouched], before[name][untouched])
     assert _done_soon(leases) == {"lease-1"} and len(leases) == 0
+
+
+def test_a_pull_waiting_for_a_pull_thread_reports_its_wait_apart_from_its_transfer(source):
+    kv, layout, leases, server = source
+    leases.add("ready", block_ids=[1], consumers=1, ttl_s=30)
+    # the first pull holds the only thread until its lease appears, 0.3 s on
+    threading.Timer(0.3, leases.add, args=("late",), kwargs={"block_ids": [2], "consumers": 1, "ttl_s": 30}).start()
+    dst = caches(3)
+    dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
+    with ThreadPoolExecutor(1) as pull_threads:  # as the connector submits them
+        first = pull_threads.submit(pull_blocks, spec(server, "late", [0], [4]), dst_layout, 2, 10, time.monotonic())
+        second = pull_threads.submit(pull_blocks, spec(server, "ready", [0], [5]), dst_layout, 2, 10, time.monotonic())
+        first, second = first.result(), second.result()
+    assert first.ok and second.ok
+    assert first.seconds >= 0.25 and first.queued_seconds < 0.25 <= second.queued_seconds
+    for name in kv:
+        assert torch.equal(dst[name][4], kv[name][2]) and torch.equal(dst[name][5], kv[name][1])
 
 
 def test_block_bytes_are_all_layers_of_one_block(source):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from app.config import AcceleratorSpec, LinkConfig, ModelSpec
 from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.events import Loop
-from app.sim.network import Link
+from app.sim.network import Link, PullSlots
 from app.sim.perf import (DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json,
                           save_samples)
 
@@ -308,6 +308,47 @@ def test_rtt_is_paid_before_the_bytes_and_empty_pulls_are_free():
     loop.run()
     assert done == {"empty": 0.0, "x": pytest.approx(0.04 + 0.5)}
     assert link.transfers == 1
+
+
+def test_an_engine_runs_its_pull_slots_and_queues_the_rest_in_order():
+    loop = Loop()
+    link = _link(loop, rtt_ms=40)  # 1e6 bytes/s
+    slots = PullSlots(loop, 2)
+    done = {}
+    for name in ("a", "b", "c"):
+        slots.pull(link, 1_000_000, lambda k: done.setdefault(k, loop.now), name)
+    loop.run()
+    # a and b share the link; c starts when they end and then has it alone (its own RTT first)
+    assert done["a"] == pytest.approx(0.04 + 2.0) and done["b"] == pytest.approx(0.04 + 2.0)
+    assert done["c"] == pytest.approx(0.04 + 2.0 + 0.04 + 1.0)
+    assert slots.free == 2 and not slots.waiting
+
+
+def test_queued_pulls_finish_sooner_than_sharing_the_link_among_all():
+    def ends(slots: int) -> list[float]:
+        loop = Loop()
+        link, pulls = _link(loop), PullSlots(loop, slots)
+        out = []
+        for _ in range(4):
+            pulls.pull(link, 1_000_000, lambda _: out.append(loop.now), None)
+        loop.run()
+        return out
+    assert ends(8) == pytest.approx([4.0] * 4)  # all four share: each ends at 4 s
+    assert ends(1) == pytest.approx([1.0, 2.0, 3.0, 4.0])  # one at a time: same total, earlier on average
+
+
+def test_a_pull_asks_for_its_slot_after_the_engine_processed_its_request():
+    loop = Loop()
+    link = _link(loop)
+    slots = PullSlots(loop, 1)
+    done = {}
+    slots.pull(link, 500_000, lambda k: done.setdefault(k, loop.now), "late", after=0.3)
+    slots.pull(link, 500_000, lambda k: done.setdefault(k, loop.now), "now")
+    slots.pull(link, 0, lambda k: done.setdefault(k, loop.now), "empty", after=0.1)
+    loop.run()
+    # "now" holds the only slot from 0 to 0.5 s; "late" asks at 0.3 s and waits for it; an empty pull takes none
+    assert done == {"empty": pytest.approx(0.1), "now": pytest.approx(0.5), "late": pytest.approx(1.0)}
+    assert link.transfers == 2
 
 
 def test_a_fast_link_with_many_flows_terminates():

@@ -253,6 +253,21 @@ def test_a_request_the_relay_finishes_still_brings_main_decode_the_whole_turn():
     assert twin.index.estimate(md.name, turn_keys) == turn // BLOCK * BLOCK
 
 
+def test_a_decoder_runs_as_many_pulls_at_once_as_it_has_pull_threads():
+    wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
+
+    def ttfts(concurrent_pulls: int) -> list[float]:
+        config = tiny_config("pd_cross_dc_naive", links=wan, kv={"concurrent_pulls": concurrent_pulls})
+        return sorted(r.ttft_s for r in simulate(config, [Request(0.0, "s", 4000, 0, 4), Request(0.0, "t", 4000, 0, 4)]).records())
+
+    pull_s = 0.02 + 4000 * KVB / 2.5e6  # RTT, then 4 MB at 20 Mbit/s
+    shared, in_turn = ttfts(8), ttfts(1)
+    # sharing the WAN, both pulls end together, a prefill apart; in turn, the first ends a whole pull sooner
+    assert shared[1] - shared[0] == pytest.approx(prefill_s(4000), rel=0.05)
+    assert in_turn[1] - in_turn[0] == pytest.approx(pull_s, rel=0.01)
+    assert in_turn[1] == pytest.approx(shared[1], rel=0.01)
+
+
 @pytest.mark.parametrize("timeout_s", [120.0, 0.05])
 def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pull_it_again(timeout_s):
     slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
