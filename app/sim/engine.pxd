@@ -17,7 +17,7 @@ cdef class PrefillJob:
     cdef public Lease lease
 
 cdef class Seq:
-    cdef public object owner, ctx, n, need, cb, state, join, fin, t_first, log0
+    cdef public object owner, ctx, n, need, cb, state, join, fin, t_first, log0, prefills_first
     cdef public Lease lease
     cdef public Instance inst
 
@@ -32,4 +32,4 @@ cdef class Instance:
     cdef public object name, perf, max_seqs, max_batched, capacity, block, kv_blocks, reserved, active
     cdef public object streams, state, prefill_q, admitted_prefills, join_q, n, kv, steps, fin_heap, _order, removals
     cdef public object log_n, mono_i, mono_v, trim_at, version, t0, s0, m, step_dt, chunks, cut, busy_s
-    cdef public object prefill_tokens, decode_tokens, neighbor_slowdown, busy, slow, step_joined
+    cdef public object prefill_tokens, decode_tokens, neighbor_slowdown, pulled_first_step, busy, slow, step_joined

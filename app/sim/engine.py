@@ -84,11 +84,17 @@ class Seq:
 
     `cb(seq, worst_step_s)` runs at its last token (time `loop.now`); `t_first`
     is when it produced its first token here.
+
+    `prefills_first`: the sequence's KV was pulled up to its last prompt token,
+    which it computes itself (the PDD connector never pulls the token a decoder
+    continues from), so its first step here is a one-token prefill chunk after
+    a prefix, priced as such, not a decode step.
     """
 
-    __slots__ = ("owner", "ctx", "n", "need", "lease", "cb", "state", "join", "fin", "t_first", "log0", "inst")
+    __slots__ = ("owner", "ctx", "n", "need", "lease", "cb", "state", "join", "fin", "t_first", "log0", "inst", "prefills_first")
 
-    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[["Seq", float], None]):
+    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[["Seq", float], None],
+                 prefills_first: bool = False):
         self.owner = owner
         self.ctx = ctx
         self.n = n
@@ -101,6 +107,7 @@ class Seq:
         self.t_first = 0.0
         self.log0 = 0
         self.inst: Instance | None = None
+        self.prefills_first = prefills_first
 
 
 class Host:
@@ -170,6 +177,9 @@ class Instance:
         self.decode_tokens = 0
         self.host: Host | None = None
         self.neighbor_slowdown = getattr(perf, "neighbor_slowdown", 0.0)
+        # a model that prices a one-token chunk after a prefix as a decode token (the roofline)
+        # lets a pulled sequence's first step stay in a decode stretch
+        self.pulled_first_step = perf.step_s(1, 0, 1.0, 1.0, 1) != perf.step_s(0, 1, 1.0, 1.0, 0)
         self.busy = False
         """Counted busy on the host (state changes inside a step boundary do not count)."""
         self.slow = 1.0
@@ -317,6 +327,11 @@ class Instance:
     @cython.locals(job=PrefillJob, seq=Seq)
     def _plan(self, now: float) -> None:
         joined = self._admit_joins() if self.join_q else ()
+        first_prefills = 0
+        if joined and self.pulled_first_step:
+            for seq in joined:
+                if seq.prefills_first:
+                    first_prefills += 1
         budget = self.max_batched - self.n
         chunks = []
         if self.prefill_q and budget > 0:
@@ -332,18 +347,19 @@ class Instance:
                 if budget <= 0:
                     break
         self.t0 = now
-        if chunks:
-            pf = 0
+        if chunks or first_prefills:
+            # a sequence's one-token chunk attends to its context as its decode token would
+            pf = first_prefills
             kv = self.kv
             pairs = self.kv
-            after_prefix = 0
+            after_prefix = first_prefills
             for job, c in chunks:
                 pf += c
                 kv += job.ctx + c
                 pairs += c * job.ctx + c * (c + 1) / 2  # perf.chunk_attention_pairs, inlined
                 if job.ctx:
                     after_prefix += 1
-            dt = self.perf.step_s(pf, self.n, kv, pairs, after_prefix)
+            dt = self.perf.step_s(pf, self.n - first_prefills, kv, pairs, after_prefix)
             if self.host is not None:
                 self.slow = self._slowdown()
                 dt *= self.slow

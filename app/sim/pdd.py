@@ -128,7 +128,7 @@ class PDDPipelines:
     def _singular_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
-        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
+        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0, pulled=True)
 
     @cython.locals(job=Job)
     def _end_relay(self, job: Job, keep: int) -> None:
@@ -145,11 +145,11 @@ class PDDPipelines:
             self._end_relay(job, req.prompt_tokens)
             return
         n = min(job.cap, req.output_tokens - 1)
-        job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped)
+        job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped, pulled=True)
 
     @cython.locals(job=Job)
-    def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None]) -> Seq:
-        seq = Seq(job, ctx, n, ctx + n, job.rl, cb)
+    def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None], pulled: bool = False) -> Seq:
+        seq = Seq(job, ctx, n, ctx + n, job.rl, cb, pulled)
         job.r.submit_decode(seq)
         return seq
 
@@ -182,7 +182,7 @@ class PDDPipelines:
         self._pull_done(job)
         req = job.req
         if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands
-            self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow)
+            self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow, pulled=True)
             return
         # the warm request: MD computes the first token's KV (its own sampled token is discarded)
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))

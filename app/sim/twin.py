@@ -267,11 +267,12 @@ class Twin(PDDPipelines):
 
     @cython.locals(job=Job)
     def _decode(self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float,
-                cb: Callable[[Seq, float], None] | None = None) -> Seq:
-        """Continue the stream on `inst` from `ctx` tokens; its tokens reach the client `off` later."""
+                cb: Callable[[Seq, float], None] | None = None, pulled: bool = False) -> Seq:
+        """Continue the stream on `inst` from `ctx` tokens; its tokens reach the client `off` later.
+        `pulled`: `inst` pulled the prompt's KV, so its first step prefills the last token."""
         job.t_prev = t_prev
         job.off = off
-        seq = Seq(job, ctx, n, ctx + n, job.dl, cb or self._decoded)
+        seq = Seq(job, ctx, n, ctx + n, job.dl, cb or self._decoded, pulled)
         inst.submit_decode(seq)
         return seq
 
@@ -347,7 +348,7 @@ class Twin(PDDPipelines):
     def _pd_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
-        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0)
+        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0, pulled=True)
 
     @cython.locals(pj=PrefillJob, job=Job)
     def _naive_first(self, pj: PrefillJob) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from app.config import AcceleratorSpec, LinkConfig, ModelSpec
 from app.sim.cache import PrefixCache, merged, usable_tokens
+from app.sim.engine import Instance, Seq
 from app.sim.events import Loop
 from app.sim.network import Link, PullSlots
 from app.sim.perf import (DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json,
@@ -268,6 +269,35 @@ def test_merge_goes_both_ways_across_rewrites():
     assert merged(70, 1, 300, 0, [40]) == (70, 1)
     assert merged(10, 1, 300, 0, [40]) == (40, 1)
     assert merged(60, 2, 300, 0, [90, 30]) == (60, 2)
+
+
+# ---- a decoder's first step after a pull ------------------------------------------------
+
+def _first_tokens(perf: FittedPerf, pulled: bool) -> tuple[float, float]:
+    """A running sequence, and one more joining mid-step: when each produces its 4th / 1st token."""
+    loop = Loop()
+    inst = Instance(loop, "d", perf, max_seqs=8, max_batched=512, capacity=100_000, block_size=16)
+    times: dict[str, float] = {}
+    running = Seq("a", 100, 6, 106, inst.open("a", 0, (), 0), lambda seq, worst: times.setdefault("a", loop.now))
+    inst.submit_decode(running)
+    joining = Seq("b", 3000, 2, 3002, inst.open("b", 0, (), 0), lambda seq, worst: None, pulled)
+    loop.at(0.025, lambda _: inst.submit_decode(joining))
+    loop.run()
+    return joining.t_first, times["a"]
+
+
+def test_a_pulled_sequence_first_prefills_its_last_token_in_a_step_all_running_sequences_wait_for():
+    perf = FittedPerf(a_ms=10.0, b_ms_per_prefill_token=1.0, c_ms_per_decode_seq=0.0, d_ms_per_kv_token=0.0, f_ms_per_prefix_chunk=8.0)
+    # steps of 10 ms; b joins at the boundary at 30 ms
+    assert _first_tokens(perf, pulled=False) == (pytest.approx(0.040), pytest.approx(0.060))
+    # its first step is a one-token chunk after a prefix: 10 + 1 + 8 ms, and a's token in it waits as long
+    assert _first_tokens(perf, pulled=True) == (pytest.approx(0.049), pytest.approx(0.069))
+
+
+def test_a_model_pricing_a_one_token_chunk_as_a_decode_token_keeps_the_decode_stretch():
+    perf = FittedPerf(a_ms=10.0, b_ms_per_prefill_token=0.5, c_ms_per_decode_seq=0.5, d_ms_per_kv_token=0.0)
+    # steps of 10.5 ms alone, 11 ms with two; b joins at 31.5 ms
+    assert _first_tokens(perf, pulled=True) == _first_tokens(perf, pulled=False) == (pytest.approx(0.0425), pytest.approx(0.064))
 
 
 # ---- links -----------------------------------------------------------------------------

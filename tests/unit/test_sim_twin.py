@@ -159,6 +159,19 @@ def test_a_decoder_replicas_own_time_delays_each_request_it_gets_after_ps_first_
     assert delayed.max_gap_s - base.max_gap_s == pytest.approx(0.007 if delays_the_second_token else 0.0, abs=1e-12)
 
 
+@pytest.mark.parametrize(("mode", "routing", "pipeline"), [("pd_intra_dc", {}, Pipeline.p_d), ("pdd", {}, Pipeline.p_md),
+                                                          ("pdd", {"max_wan_transfer_ms": 1}, Pipeline.p_rld_md)])
+def test_a_decoders_first_step_after_its_pull_is_a_chunk_after_a_prefix(mode, routing, pipeline):
+    """The decoder computes the prompt's last token itself: its first step pays the cost per chunk after a prefix."""
+    def gap(f_ms: float) -> float:
+        decoder = FittedPerf(2.0, 0.01, 0.1, 0, f_ms_per_prefix_chunk=f_ms)
+        models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": decoder, "main_decode": decoder}
+        r = only(simulate(tiny_config(mode, routing=routing), [Request(0.0, "s", 1000, 0, 8)], models))
+        assert r.pipeline is pipeline
+        return r.max_gap_s
+    assert gap(8.0) - gap(0.0) == pytest.approx(0.008, abs=1e-12)
+
+
 def test_each_prefill_chunk_after_a_prefix_pays_the_models_cost_per_chunk():
     plain = FittedPerf(2.0, 0.01, 0.1, 0.0001)
     config = tiny_config("colocated", roles__main_decode__engine={"max_num_batched_tokens": 512})
