@@ -80,6 +80,7 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
             "connect_timeout_s": config.kv.connect_timeout_s,
             "transfer_timeout_s": config.kv.transfer_timeout_s,
             "concurrent_pulls": config.kv.concurrent_pulls,
+            "pull_order": config.kv.pull_order.value,
             "owner_pid": owner_pid,
             "record_steps": config.roles.get(role).engine.record_steps,
         },

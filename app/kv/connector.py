@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from app.config import PullOrder
 from app.kv.params import LEASE, PRODUCE, PULL
+from app.kv.pull_threads import PullThreads
 from app.kv.steps import StepClock
 from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullResult, PullSpec, pull_blocks
 
@@ -65,6 +67,8 @@ class ConnectorSettings:
     """Time every engine step (app/kv/steps.py) and report it with the connector's stats."""
     concurrent_pulls: int = 8
     """Pull threads: pulls this engine runs at once (KVTransferSettings.concurrent_pulls)."""
+    pull_order: PullOrder = PullOrder.smallest_first
+    """Which waiting pull a freed pull thread takes (KVTransferSettings.pull_order)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -78,6 +82,7 @@ class ConnectorSettings:
             owner_pid=int(extra["owner_pid"]) if extra.get("owner_pid") else None,
             record_steps=bool(extra.get("record_steps", False)),
             concurrent_pulls=int(extra.get("concurrent_pulls", 8)),
+            pull_order=PullOrder(extra.get("pull_order", PullOrder.smallest_first.value)),
         )
 
 
@@ -166,7 +171,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._layout: KVLayout | None = None
         self._leases = LeaseTable()
         self._server: BlockServer | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pulls: PullThreads | None = None
         self._inflight: dict[str, Future] = {}
         self._done_results: list[PullResult] = []
         self._invalid_blocks: set[int] = set()
@@ -284,7 +289,7 @@ class PDDConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._layout = KVLayout.from_caches(kv_caches, self._kv_cache_config.num_blocks)
         self._server = BlockServer(lambda: self._layout, self._leases, "0.0.0.0", self._settings.block_port)
-        self._pool = ThreadPoolExecutor(self._settings.concurrent_pulls, thread_name_prefix="pdd-kv-pull")
+        self._pulls = PullThreads(self._settings.concurrent_pulls, self._settings.pull_order)
         logger.info("PDDConnector: block server on port %d, %d bytes per block", self._server.port, self._layout.block_nbytes)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -293,9 +298,10 @@ class PDDConnector(KVConnectorBase_V1):
         for lease in meta.leases:
             self._leases.add(lease.lease_id, lease.block_ids, lease.consumers, lease.ttl_s)
         for spec in meta.pulls:
-            assert self._pool is not None and self._layout is not None
+            assert self._pulls is not None and self._layout is not None
             s = self._settings
-            self._inflight[spec.request_id] = self._pool.submit(pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic())
+            self._inflight[spec.request_id] = self._pulls.submit(
+                len(spec.remote_indices), pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -338,5 +344,5 @@ class PDDConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pulls is not None:
+            self._pulls.shutdown()

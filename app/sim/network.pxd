@@ -5,4 +5,4 @@ cdef class Link:
     cdef public object loop, model, bw, vt, t_last, heap, version, _order, bytes, transfers, wan, down, pull_s, pull_s_per_byte
 
 cdef class PullSlots:
-    cdef public object loop, free, waiting
+    cdef public object loop, free, waiting, smallest_first, tickets

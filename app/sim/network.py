@@ -14,20 +14,19 @@ a flow added at `vt0` with `b` bytes ends when `vt` reaches `vt0 + b`. Adding
 or ending a flow is O(log flows) and needs one pending event per link.
 
 A decoding engine runs only so many pulls at once (`PullSlots`, the PDD
-connector's pull threads): under a burst of cold prompts the others queue in
-order, off the link, so the pulls on the wire finish sooner than an equal share
-of the bandwidth among all of them would let them.
+connector's pull threads): under a burst of cold prompts the others queue off
+the link, in the connector's order, so the pulls on the wire finish sooner than
+an equal share of the bandwidth among all of them would let them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
 from itertools import count
 from typing import Any
 
-from app.config import LinkConfig
+from app.config import LinkConfig, PullOrder
 from app.kv.link import LinkModel
 from app.sim.events import Loop
 
@@ -120,15 +119,18 @@ class Link:
 
 class PullSlots:
     """One decoding engine's pulls: at most `slots` move at once (the connector's pull
-    threads, KVTransferSettings.concurrent_pulls); the others wait their turn in order.
+    threads, KVTransferSettings.concurrent_pulls); the others wait, and a freed slot
+    takes the smallest (`smallest_first`, ties in arrival order) or the oldest.
     Their wait is not on the link: it is neither bandwidth shared nor a latency draw."""
 
-    __slots__ = ("loop", "free", "waiting")
+    __slots__ = ("loop", "free", "waiting", "smallest_first", "tickets")
 
-    def __init__(self, loop: Loop, slots: int):
+    def __init__(self, loop: Loop, slots: int, order: PullOrder = PullOrder.smallest_first):
         self.loop = loop
         self.free = slots
-        self.waiting: deque[tuple[Link, int, Callable[[Any], None], Any]] = deque()
+        self.smallest_first = order is PullOrder.smallest_first
+        self.waiting: list[tuple[int, int, tuple[Link, int, Callable[[Any], None], Any]]] = []
+        self.tickets = count()
 
     def pull(self, link: Link, nbytes: int, done: Callable[[Any], None], arg: Any, after: float = 0.0) -> None:
         """Pull `nbytes` over `link`, asked for `after` seconds from now (the engine's own
@@ -147,11 +149,11 @@ class PullSlots:
             self.free -= 1
             pull[0].send(pull[1], self._ended, pull)
         else:
-            self.waiting.append(pull)
+            heapq.heappush(self.waiting, (pull[1] if self.smallest_first else 0, next(self.tickets), pull))
 
     def _ended(self, pull: tuple[Link, int, Callable[[Any], None], Any]) -> None:
         if self.waiting:
-            nxt = self.waiting.popleft()
+            nxt = heapq.heappop(self.waiting)[2]
             nxt[0].send(nxt[1], self._ended, nxt)
         else:
             self.free += 1

@@ -100,7 +100,7 @@ class Twin(PDDPipelines):
         if self.wan is not None:
             self.wan.down = self.outages.windows["wan"]
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
-        self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls) for name in self.replicas}
+        self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls, config.kv.pull_order) for name in self.replicas}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
         replicas = self.replicas

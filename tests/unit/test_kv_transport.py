@@ -4,13 +4,13 @@ with real torch tensors standing in for two engines' paged KV caches."""
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from app.config import LinkConfig
+from app.config import LinkConfig, PullOrder
 from app.kv.link import LinkModel, LinkRelay
+from app.kv.pull_threads import PullThreads
 from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
 
 NUM_BLOCKS = 16
@@ -37,6 +37,33 @@ def spec(server, lease, remote, local, relay=None):
     return PullSpec("req-1", lease, ("127.0.0.1", server.port), relay, "a->b", remote, local)
 
 
+@pytest.mark.parametrize("order", list(PullOrder))
+def test_a_small_pull_overtakes_a_large_waiting_one_only_under_smallest_first(source, order):
+    kv, layout, leases, server = source
+    leases.add("large", block_ids=[1, 2, 3, 4, 5, 6], consumers=1, ttl_s=30)
+    leases.add("small", block_ids=[8], consumers=1, ttl_s=30)
+    threading.Timer(0.3, leases.add, args=("late",), kwargs={"block_ids": [9], "consumers": 1, "ttl_s": 30}).start()
+    dst = caches(4)
+    dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
+    pull_threads = PullThreads(1, order)
+    try:
+        holder = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [0]), dst_layout, 2, 10, time.monotonic())
+        time.sleep(0.05)  # the holder has the only thread
+        submitted = {"large": time.monotonic()}
+        large = pull_threads.submit(6, pull_blocks, spec(server, "large", list(range(6)), [1, 2, 3, 4, 5, 6]), dst_layout, 2, 10, submitted["large"])
+        submitted["small"] = time.monotonic()
+        small = pull_threads.submit(1, pull_blocks, spec(server, "small", [0], [8]), dst_layout, 2, 10, submitted["small"])
+        results = {"holder": holder.result(5), "large": large.result(5), "small": small.result(5)}
+    finally:
+        pull_threads.shutdown()
+    assert all(r.ok for r in results.values())
+    started = {name: submitted[name] + results[name].queued_seconds for name in submitted}
+    first, then = ("small", "large") if order is PullOrder.smallest_first else ("large", "small")
+    assert started[then] >= started[first] + results[first].seconds  # one thread: the second starts once the first ended
+    for name in kv:
+        assert torch.equal(dst[name][8], kv[name][8]) and torch.equal(dst[name][6], kv[name][6])
+
+
 def test_pull_copies_exactly_the_requested_blocks(source):
     kv, layout, leases, server = source
     leases.add("lease-1", block_ids=[3, 7, 9, 11], consumers=1, ttl_s=30)
@@ -60,10 +87,13 @@ def test_a_pull_waiting_for_a_pull_thread_reports_its_wait_apart_from_its_transf
     threading.Timer(0.3, leases.add, args=("late",), kwargs={"block_ids": [2], "consumers": 1, "ttl_s": 30}).start()
     dst = caches(3)
     dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
-    with ThreadPoolExecutor(1) as pull_threads:  # as the connector submits them
-        first = pull_threads.submit(pull_blocks, spec(server, "late", [0], [4]), dst_layout, 2, 10, time.monotonic())
-        second = pull_threads.submit(pull_blocks, spec(server, "ready", [0], [5]), dst_layout, 2, 10, time.monotonic())
-        first, second = first.result(), second.result()
+    pull_threads = PullThreads(1, PullOrder.smallest_first)  # as the connector submits them
+    try:
+        first = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [4]), dst_layout, 2, 10, time.monotonic())
+        second = pull_threads.submit(1, pull_blocks, spec(server, "ready", [0], [5]), dst_layout, 2, 10, time.monotonic())
+        first, second = first.result(5), second.result(5)
+    finally:
+        pull_threads.shutdown()
     assert first.ok and second.ok
     assert first.seconds >= 0.25 and first.queued_seconds < 0.25 <= second.queued_seconds
     for name in kv:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.config import AcceleratorSpec, LinkConfig, ModelSpec
+from app.config import AcceleratorSpec, LinkConfig, ModelSpec, PullOrder
 from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.engine import Instance, Seq
 from app.sim.events import Loop
@@ -352,6 +352,21 @@ def test_an_engine_runs_its_pull_slots_and_queues_the_rest_in_order():
     assert done["a"] == pytest.approx(0.04 + 2.0) and done["b"] == pytest.approx(0.04 + 2.0)
     assert done["c"] == pytest.approx(0.04 + 2.0 + 0.04 + 1.0)
     assert slots.free == 2 and not slots.waiting
+
+
+@pytest.mark.parametrize("order", list(PullOrder))
+def test_a_freed_slot_takes_the_smallest_waiting_pull_or_the_oldest(order):
+    loop = Loop()
+    link = _link(loop, rtt_ms=40)  # 1e6 bytes/s
+    slots = PullSlots(loop, 1, order)
+    done = {}
+    for name, nbytes in (("holder", 1_000_000), ("big", 3_000_000), ("small", 500_000), ("mid", 1_000_000)):
+        slots.pull(link, nbytes, lambda k: done.setdefault(k, loop.now), name)
+    loop.run()
+    expected = ["holder", "small", "mid", "big"] if order is PullOrder.smallest_first else ["holder", "big", "small", "mid"]
+    assert sorted(done, key=done.get) == expected
+    # one at a time, each its own RTT and then the link alone
+    assert max(done.values()) == pytest.approx(4 * 0.04 + 5.5)
 
 
 def test_queued_pulls_finish_sooner_than_sharing_the_link_among_all():

@@ -281,6 +281,18 @@ def test_a_decoder_runs_as_many_pulls_at_once_as_it_has_pull_threads():
     assert in_turn[1] == pytest.approx(shared[1], rel=0.01)
 
 
+@pytest.mark.parametrize("order", ["smallest_first", "arrival"])
+def test_a_decoders_free_pull_thread_takes_the_waiting_pull_its_pull_order_names(order):
+    wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
+    config = tiny_config("pd_cross_dc_naive", links=wan, kv={"concurrent_pulls": 1, "pull_order": order})
+    # "s" holds the only pull thread for 1.6 s; "large" and then "small" are prefilled meanwhile and wait
+    requests = [Request(0.0, "s", 4000, 0, 4), Request(0.3, "large", 4000, 0, 4), Request(0.4, "small", 400, 0, 4)]
+    ttft = {requests[r.rid].session: r.arrival_s + r.ttft_s for r in simulate(config, requests).records()}
+    pull_s = {n: 0.02 + n * KVB / 2.5e6 for n in (400, 4000)}
+    first, then = ("small", "large") if order == "smallest_first" else ("large", "small")
+    assert ttft[then] - ttft[first] == pytest.approx(pull_s[4000 if then == "large" else 400], rel=0.05)
+
+
 @pytest.mark.parametrize("timeout_s", [120.0, 0.05])
 def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pull_it_again(timeout_s):
     slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
