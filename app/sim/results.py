@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ class RequestResult:
 
 _COLUMNS = ("rid", "arrival", "ttft", "last", "gap", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan")
 _WAN = _COLUMNS.index("wan")
+_ARRIVAL = _COLUMNS.index("arrival")
 _D_HIT = _COLUMNS.index("d_hit")
 _INTS = {"rid", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan"}
 
@@ -44,6 +46,19 @@ _INTS = {"rid", "pipe", "prompt", "output", "p_hit", "d_hit", "relay", "wan"}
 class Results:
     rows: array = field(default_factory=lambda: array("d"))
     """Row-major, one float per column of _COLUMNS (integers are exact below 2**53)."""
+    arrivals_end_s: float = math.nan
+    """The workload's last scheduled arrival. A turn its session held back (the
+    previous turn still ran) is stored at its later start, which may fall past it."""
+
+    def measured(self, warmup: float) -> tuple[float, float]:
+        """(start, end) of the measured window: requests starting from `start` count (the first
+        `warmup` share of the arrivals fills the caches), until the last scheduled arrival."""
+        import numpy as np
+
+        a = np.frombuffer(self.rows, dtype=np.float64)[_ARRIVAL::len(_COLUMNS)]
+        first = float(a.min())
+        end = self.arrivals_end_s if not math.isnan(self.arrivals_end_s) else float(a.max())
+        return first + warmup * (end - first), end
 
     def add(self, rid: int, arrival: float, t_first: float, t_last: float, gap: float, pipeline: Pipeline,
             prompt: int, output: int, p_hit: int, d_hit: int, relay: int, wan: int) -> int:

@@ -112,6 +112,7 @@ class Twin(PDDPipelines):
         self.progress = progress
         self.finished = 0
         self.delayed_turns = 0
+        self.last_arrival = float("nan")
         self._arrivals: Iterator[Request] = iter(())
         self._rid = 0
 
@@ -132,12 +133,14 @@ class Twin(PDDPipelines):
         finally:
             if collecting:
                 gc.enable()
+        self.results.arrivals_end_s = self.last_arrival
         return self.results
 
     def _arrive(self, req: Request) -> None:
         if req.prompt_tokens + req.output_tokens > self.window:  # the real API refuses it
             raise ValueError(f"request of session {req.session!r} arriving at {req.arrival_s:g} s: prompt_tokens + output_tokens "
                              f"({req.prompt_tokens} + {req.output_tokens}) exceed the model's window (model.max_model_len {self.window})")
+        self.last_arrival = req.arrival_s
         nxt = next(self._arrivals, None)
         if nxt is not None:
             self.loop.at(nxt.arrival_s, self._arrive, nxt)

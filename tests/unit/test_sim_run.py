@@ -127,6 +127,23 @@ def test_summary_counts_slo_and_cost():
     assert simulate(strict, SMALL).summary(warmup=0.0).slo_attainment == 0
 
 
+def test_a_turn_held_back_past_the_last_scheduled_arrival_misses_the_slo():
+    # "s"'s second turn is due at 0.01 s but goes out only when its first ends, after "t" (the last
+    # arrival, 0.5 s); a permissive SLO that every request's own times meet
+    reqs = [Request(0.0, "s", 4000, 0, 300), Request(0.01, "s", 4400, 4300, 5), Request(0.5, "t", 100, 0, 5)]
+    config = tiny_config("colocated")
+    config = derive(config, slo=config.slo.model_copy(update={"ttft_ms": 1e6, "tpot_ms": 1e6, "max_gap_ms": 1e6}))
+    run = simulate(config, reqs)
+    held = next(r for r in run.records() if r.prompt_tokens == 4400)
+    assert run.delayed_turns == 1 and held.arrival_s > 0.5
+    s = run.summary(warmup=0.0)
+    assert s.requests == 3 and s.window_s == pytest.approx(0.5)  # the window ends at the last scheduled arrival
+    assert s.slo_attainment == pytest.approx(2 / 3) and s.sla_goodput_rps == pytest.approx(2 / 0.5)
+    # the same turn due after "t" is not held back past it, and meets the SLO
+    on_time = simulate(config, [reqs[0], reqs[2], Request(1e3, "s", 4400, 4300, 5)]).summary(warmup=0.0)
+    assert on_time.slo_attainment == 1.0
+
+
 def test_mode_cost_counts_only_the_roles_it_uses():
     config = tiny_config("pdd")
     assert cost_per_hour(config, Mode.pd_cross_dc_naive) == 2.0 + 3.0
