@@ -69,8 +69,9 @@ class AgenticWorkload(BaseModel):
     turn arrives `think_time` after the previous one arrived (the agent's tool
     time plus the model's answer). The superposition of many such sessions is
     close to Poisson at `rps` (Palm-Khintchine), steady from time 0 (sessions
-    already under way then contribute their later turns). Turns are open loop:
-    a turn arriving before its predecessor finished finds less in the caches.
+    already under way then contribute their later turns). A turn due before its
+    predecessor finished is held back until it has (`SimRun.delayed_turns`); one
+    held back past the last scheduled arrival misses the SLO (app/sim/report.py).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
