@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from app.config import AgentMode, ConfigError
+from app.config import AgentMode
+from app.config_file import ConfigError
 
 console = Console()
 agents_cli = typer.Typer(help="The agent swarm that keeps PDD tuned (observe, advise or act).", no_args_is_help=True)

@@ -29,7 +29,8 @@ from agents.observe import PromSource, Source
 from agents.queries import QuerySet
 from agents.router import Router, make_router
 from agents.whatif import WhatIf, load_what_if
-from app.config import AgentMode, AgentsConfig, PDDConfig, load_config
+from app.config import AgentMode, AgentsConfig, PDDConfig
+from app.config_file import load_config
 
 DEFAULT_APP = "pdd"
 

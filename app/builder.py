@@ -13,7 +13,8 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.config import ConfigError, NodeGroup, PDDConfig, parse_config
+from app.config import NodeGroup, PDDConfig
+from app.config_file import ConfigError, parse_config
 from app.ingress import ConductorIngress
 from app.links import LinkEmulators, deployment_name
 from app.roles import ROLE_DEPLOYMENTS

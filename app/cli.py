@@ -17,7 +17,7 @@ from rich.text import Text
 from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
 from app import cluster, native
-from app.config import ConfigError, load_config
+from app.config_file import ConfigError, load_config
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from app.cluster import CLUSTER_ENV, DATACENTER_LABEL
-from app.config import load_config
+from app.config_file import load_config
 
 RAY_VERSION = "2.60.0"
 METRICS_PORT = 8080

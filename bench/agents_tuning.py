@@ -67,7 +67,8 @@ from agents.controllers import fleet_cost
 from agents.figures import slo_figures, slo_score
 from agents.knobs import with_knobs
 from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
-from app.config import LiveKnobs, PDDConfig, RoleName, load_config
+from app.config import LiveKnobs, PDDConfig, RoleName
+from app.config_file import load_config
 from app.sim import AgenticWorkload, SimRun, Summary, goodput_search, simulate
 from bench.common import ROOT, median, write_outputs
 from bench.paper_table import WORKLOAD

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles, load_config
+from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles
+from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
 from app.sim.run import SearchResult, agentic_at, goodput_search, simulate
 from app.sim.workload import AgenticWorkload, hit_rate

@@ -56,7 +56,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
-from app.config import PDDConfig, parse_config
+from app.config import PDDConfig
+from app.config_file import parse_config
 from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace

@@ -31,7 +31,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from app import native
-from app.config import Mode, load_config
+from app.config import Mode
+from app.config_file import load_config
 from app.sim import AgenticWorkload, simulate
 from app.sim.cluster import derive
 from bench.common import ROOT, median, write_outputs
@@ -61,7 +62,7 @@ def python_baseline(requests: int, rps: float) -> dict:
     """The same PDD run with every module as plain Python, in a fresh process (modules load once per process)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        code = ("import json; from bench.sim_speed import CONFIG, timed_run; from app.config import load_config; "
+        code = ("import json; from bench.sim_speed import CONFIG, timed_run; from app.config_file import load_config; "
                 f"r = timed_run(load_config(CONFIG), {requests}, {rps}, 0, 'PDD, plain Python baseline'); "
                 f"open({str(out)!r}, 'w').write(json.dumps(r))")
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, native.ENV_SWITCH: "0"}, check=True)

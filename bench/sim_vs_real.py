@@ -68,7 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app.config import Mode, RoleName, parse_config
+from app.config import Mode, RoleName
+from app.config_file import parse_config
 from app.sim.calibrate import (OverheadSample, PullSample, RoleFit, calibrate, fit_to_app_steps, with_decoder_overhead, with_kv_pull,
                                with_model_spec, with_serving_overhead)
 from app.sim.cluster import derive, entry_role

@@ -26,7 +26,8 @@ from rich.console import Console
 
 from pydantic import ValidationError
 
-from app.config import ConfigError, Mode, PDDConfig, RoleName, format_validation_error, load_config
+from app.config import Mode, PDDConfig, RoleName
+from app.config_file import ConfigError, format_validation_error, load_config
 from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive, entry_role
 from app.sim.perf import FittedPerf

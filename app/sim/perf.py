@@ -49,7 +49,8 @@ from typing import Annotated, Protocol
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
-from app.config import AcceleratorSpec, ModelSpec, RoleName, validation_problems
+from app.config import AcceleratorSpec, ModelSpec, RoleName
+from app.config_file import validation_problems
 
 
 class PerfModel(Protocol):

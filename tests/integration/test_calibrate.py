@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import RoleName, load_config
+from app.config import RoleName
+from app.config_file import load_config
 from app.sim.calibrate import calibrate
 
 pytestmark = pytest.mark.integration

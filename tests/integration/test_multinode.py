@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from app import cluster as local_cluster
-from app.config import load_config
+from app.config_file import load_config
 from tests.conftest import LOCAL_CONFIG, set_wan
 from tests.integration.conftest import free_port
 

@@ -1,5 +1,5 @@
 from app.builder import engine_placement
-from app.config import load_config
+from app.config_file import load_config
 from tests.conftest import LOCAL_CONFIG, ROOT
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from app.config import load_config
+from app.config_file import load_config
 from app.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render
 from tests.conftest import ROOT
 

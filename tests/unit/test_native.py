@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every mode, every handoff mode, outages and a load that queues: each of the twin's paths runs.
 RUN_ALL_MODES = """
 import dataclasses, json, sys
-from app.config import Mode, load_config
+from app.config import Mode
+from app.config_file import load_config
 from app.sim import AgenticWorkload, Outage, simulate
 from app.sim.cluster import derive
 from app import native

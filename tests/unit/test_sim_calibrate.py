@@ -14,7 +14,8 @@ import yaml
 from typer.testing import CliRunner
 
 from app.cli import main as pdd
-from app.config import Mode, RoleName, load_config
+from app.config import Mode, RoleName
+from app.config_file import load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
 from app.sim.calibrate import (OverheadSample, PullSample, _Prompts, app_journeys, busy_neighbors, fit_kv_pulls, fit_serving_overhead,
