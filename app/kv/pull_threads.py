@@ -23,12 +23,12 @@ _STOP = -1
 
 
 class PullThreads:
-    def __init__(self, threads: int, order: PullOrder, name: str = "pdd-kv-pull"):
+    def __init__(self, threads: int, order: PullOrder):
         self._order = order
         self._queue: queue.PriorityQueue[tuple[int, int, Future | None, Callable[..., Any] | None, tuple]] = queue.PriorityQueue()
         self._tickets = itertools.count()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._threads = [threading.Thread(target=self._work, name=f"pdd-kv-pull-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
 
@@ -44,7 +44,7 @@ class PullThreads:
     def _work(self) -> None:
         while True:
             _, _, fut, fn, args = self._queue.get()
-            if fut is None or fn is None:
+            if fut is None:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue

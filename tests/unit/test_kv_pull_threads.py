@@ -10,14 +10,14 @@ from app.config import PullOrder
 from app.kv.pull_threads import PullThreads
 
 
-def held_then(order: PullOrder, sizes: list[int]) -> list[int]:
-    """With the only thread held, queue pulls of `sizes`; release; the sizes in the order they ran."""
+def held_then(order: PullOrder, pulls: list[tuple[int, object]]) -> list[object]:
+    """With the only thread held, queue (size, name) pulls; release; the names in the order they ran."""
     threads = PullThreads(1, order)
     started, gate, ran = threading.Event(), threading.Event(), []
     try:
         held = threads.submit(10**6, lambda: started.set() or gate.wait(5))
         assert started.wait(5)
-        futures = [threads.submit(size, ran.append, size) for size in sizes]
+        futures = [threads.submit(size, ran.append, name) for size, name in pulls]
         gate.set()
         assert held.result(5) is True
         for f in futures:
@@ -27,25 +27,18 @@ def held_then(order: PullOrder, sizes: list[int]) -> list[int]:
         threads.shutdown()
 
 
+def sized(sizes: list[int]) -> list[tuple[int, object]]:
+    return [(size, size) for size in sizes]
+
+
 def test_smallest_first_takes_the_fewest_blocks_next_and_equal_sizes_in_arrival_order():
-    assert held_then(PullOrder.smallest_first, [40, 3, 0, 40, 3, 7]) == [0, 3, 3, 7, 40, 40]
+    assert held_then(PullOrder.smallest_first, sized([40, 3, 0, 40, 3, 7])) == [0, 3, 3, 7, 40, 40]
     # sizes tie: arrival order, told apart by identity
-    threads = PullThreads(1, PullOrder.smallest_first)
-    started, gate, ran = threading.Event(), threading.Event(), []
-    try:
-        threads.submit(1, lambda: started.set() or gate.wait(5))
-        assert started.wait(5)
-        futures = [threads.submit(2, ran.append, name) for name in "abcd"]
-        gate.set()
-        for f in futures:
-            f.result(5)
-    finally:
-        threads.shutdown()
-    assert ran == list("abcd")
+    assert held_then(PullOrder.smallest_first, [(2, name) for name in "abcd"]) == list("abcd")
 
 
 def test_arrival_order_is_first_come_first_served_whatever_the_size():
-    assert held_then(PullOrder.arrival, [40, 3, 0, 40, 3, 7]) == [40, 3, 0, 40, 3, 7]
+    assert held_then(PullOrder.arrival, sized([40, 3, 0, 40, 3, 7])) == [40, 3, 0, 40, 3, 7]
 
 
 def test_at_most_the_configured_number_run_at_once():
