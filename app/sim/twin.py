@@ -112,7 +112,6 @@ class Twin(PDDPipelines):
         self.progress = progress
         self.finished = 0
         self.delayed_turns = 0
-        self.last_arrival = float("nan")
         self._arrivals: Iterator[Request] = iter(())
         self._rid = 0
 
@@ -133,14 +132,13 @@ class Twin(PDDPipelines):
         finally:
             if collecting:
                 gc.enable()
-        self.results.arrivals_end_s = self.last_arrival
         return self.results
 
     def _arrive(self, req: Request) -> None:
         if req.prompt_tokens + req.output_tokens > self.window:  # the real API refuses it
             raise ValueError(f"request of session {req.session!r} arriving at {req.arrival_s:g} s: prompt_tokens + output_tokens "
                              f"({req.prompt_tokens} + {req.output_tokens}) exceed the model's window (model.max_model_len {self.window})")
-        self.last_arrival = req.arrival_s
+        self.results.arrivals_end_s = req.arrival_s  # arrivals come in order: the last one stays
         nxt = next(self._arrivals, None)
         if nxt is not None:
             self.loop.at(nxt.arrival_s, self._arrive, nxt)
