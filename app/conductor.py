@@ -146,18 +146,24 @@ class LinkDirectory:
     async def _ask(self, dc: str, handle: Any):
         try:
             return await asyncio.wait_for(asyncio.gather(handle.describe.remote(), handle.counters.remote()), self.CALL_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError) as exc:  # its datacenter is down
-            logger.warning("link emulator of %s unreachable: %s", dc, exc)
+        except Exception as exc:  # its datacenter is down, or its deployment gone (DeploymentUnavailableError)
+            logger.warning("link emulator of %s unreachable: %r", dc, exc)
             return None
 
     async def counters(self) -> dict[str, Any]:
         await self._view()
         return self._counters
 
-    async def is_up(self, src_dc: str, dst_dc: str) -> bool:
+    async def down_reason(self, src_dc: str, dst_dc: str) -> str | None:
+        """Why KV cannot cross from src_dc to dst_dc now (journeys show it), or None when it can."""
         await self._view()
-        link = self._counters.get(direction_name(src_dc, dst_dc))
-        return dst_dc not in self._unreachable and (link is None or not link["is_cut"])
+        if dst_dc in self._unreachable:
+            if dst_dc not in self._known:
+                return f"{dst_dc} unreachable: its link emulator has not answered yet"
+            return f"{dst_dc} unreachable: its link emulator missed {self._misses[dst_dc]} polls in a row"
+        name = direction_name(src_dc, dst_dc)
+        link = self._counters.get(name)
+        return f"{name} cut" if link is not None and link["is_cut"] else None
 
     async def relay(self, src_dc: str, dst_dc: str) -> tuple[str, tuple[str, int]]:
         await self._view()

@@ -28,6 +28,7 @@ from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient, NoReplicaError
 from app.journal import JOURNAL_CAPACITY
+from app.replica_logging import log_to_stderr
 from app.token_channel import ChannelClosed, SamplingOptions
 from app.openai_api import (
     APIError,
@@ -185,6 +186,8 @@ class Admission:
 class ConductorIngress:
     def __init__(self, config: dict[str, Any], engines: dict[str, DeploymentHandle], links: dict[str, DeploymentHandle]):
         from transformers import AutoTokenizer
+
+        log_to_stderr()
 
         self.config = PDDConfig.model_validate(config)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(self.config.model.source))

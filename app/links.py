@@ -17,6 +17,7 @@ from ray import serve
 from app.config import LinkConfig
 from app.engine import node_ip
 from app.kv.link import LinkSet
+from app.replica_logging import log_to_stderr
 
 
 def deployment_name(datacenter: str) -> str:
@@ -26,6 +27,7 @@ def deployment_name(datacenter: str) -> str:
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000)
 class LinkEmulators:
     def __init__(self, destination: str) -> None:
+        log_to_stderr()
         self._destination = destination
         self._links = LinkSet()
         self._host = node_ip()

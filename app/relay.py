@@ -80,6 +80,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     md_dc = c.config.datacenter_of(RoleName.main_decode)
     link = c.config.link(p_dc, md_dc)
     wan = direction_name(p_dc, md_dc)
+    wan_down = await c.links.down_reason(p_dc, md_dc)
     decision = choose_pipeline(
         RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
         ClusterFacts(
@@ -88,7 +89,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
             wan=LinkFacts(link.bandwidth_mbps * 1e6 / 8, link.rtt_ms / 1000),
             rld_load=load,
             rld_available=rld is not None,
-            wan_up=await c.links.is_up(p_dc, md_dc),
+            wan_up=wan_down is None,
             md_available=md is not None,
             wan_backlog_bytes=c.backlog(wan),
         ),
@@ -102,6 +103,8 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
         "expected_wan_ms": round(decision.expected_wan_ms, 1),
         "rld_load": round(load, 3),
     }
+    if wan_down is not None:
+        journey.decision["wan_down"] = wan_down
     consumers = 2 if decision.pipeline is Pipeline.p_rld_md else 1
     first, _ = await c.prefill(req, journey, consumers, keys)
     lease = (first.kv_transfer_params or {}).get(LEASE)

@@ -11,6 +11,7 @@ from ray import serve
 
 from app.config import PDDConfig, RoleName
 from app.engine import EngineServer
+from app.replica_logging import log_to_stderr
 
 #: Serve deployment name of each role.
 DEPLOYMENT_NAMES: dict[RoleName, str] = {
@@ -28,6 +29,7 @@ class _RoleServer(EngineServer):
     role: RoleName
 
     def __init__(self, config: dict):
+        log_to_stderr()
         super().__init__(PDDConfig.model_validate(config), self.role, _replica_id())
 
     def __del__(self):

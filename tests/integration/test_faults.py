@@ -190,6 +190,7 @@ def test_wan_outage(app, faults):
         t0 = time.monotonic()
         text, journey = completion(app, fresh(1500), 40)
         assert journey["pipeline"] == "P-RLD" and "WAN down" in journey["decision"]["reason"]
+        assert journey["decision"]["wan_down"] == f"{direction} cut"
         assert time.monotonic() - t0 < 30  # no wait for the transfer timeout
     finally:
         faults.restore_link(direction)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from ray.serve.exceptions import DeploymentUnavailableError
+
 from app.conductor import LinkDirectory
 
 
@@ -15,7 +18,7 @@ class _Method:
     def remote(self):
         async def answer():
             if self.owner.down:
-                raise RuntimeError("actor unreachable")
+                raise self.owner.failure
             await self.owner.answering.wait()
             return self.value
 
@@ -23,10 +26,11 @@ class _Method:
 
 
 class _Emulator:
-    """Answers like a Links-<dc> deployment handle, fails like a dead one, or hangs (`answering` cleared)."""
+    """Answers like a Links-<dc> deployment handle, fails (`down`: with `failure`) like a dead one, or hangs (`answering` cleared)."""
 
     def __init__(self, dc: str):
         self.down = False
+        self.failure: Exception = RuntimeError("actor unreachable")
         self.answering = asyncio.Event()
         self.answering.set()
         self.describe = _Method(self, {f"dc-a->{dc}": ("10.0.0.2", 7000)})
@@ -39,22 +43,24 @@ def _directory(b: _Emulator, ttl_s: float) -> LinkDirectory:
     return links
 
 
-def test_a_datacenter_is_cut_off_only_after_consecutive_misses():
+@pytest.mark.parametrize("failure", [RuntimeError("actor unreachable"), DeploymentUnavailableError("Links-dc-b")])
+def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure):
     b = _Emulator("dc-b")
+    b.failure = failure
     links = _directory(b, ttl_s=3600)  # refreshes only where the test asks
 
     async def scenario() -> None:
-        assert await links.is_up("dc-a", "dc-b")
+        assert await links.down_reason("dc-a", "dc-b") is None
         b.down = True
         await links.refresh()
         assert (await links.counters())["dc-a->dc-b"]["bytes_down"] == 1, "one missed refresh keeps the last known state"
-        assert await links.is_up("dc-a", "dc-b")
+        assert await links.down_reason("dc-a", "dc-b") is None
         await links.refresh()
-        assert not await links.is_up("dc-a", "dc-b"), "the second in a row cuts it off"
+        assert await links.down_reason("dc-a", "dc-b") == "dc-b unreachable: its link emulator missed 2 polls in a row", "the second in a row cuts it off"
         assert await links.counters() == {}
         b.down = False
         await links.refresh()
-        assert await links.is_up("dc-a", "dc-b")
+        assert await links.down_reason("dc-a", "dc-b") is None
 
     asyncio.run(scenario())
 
@@ -63,7 +69,7 @@ def test_never_seen_is_unreachable():
     b = _Emulator("dc-b")
     b.down = True
     links = _directory(b, ttl_s=3600)
-    assert not asyncio.run(links.is_up("dc-a", "dc-b"))
+    assert asyncio.run(links.down_reason("dc-a", "dc-b")) == "dc-b unreachable: its link emulator has not answered yet"
 
 
 def test_requests_read_the_last_view_while_the_emulators_are_slow():
@@ -73,10 +79,10 @@ def test_requests_read_the_last_view_while_the_emulators_are_slow():
     links = _directory(b, ttl_s=0.01)
 
     async def scenario() -> None:
-        assert await links.is_up("dc-a", "dc-b")
+        assert await links.down_reason("dc-a", "dc-b") is None
         b.answering.clear()  # every later question hangs (until the call timeout)
         await asyncio.sleep(0.05)  # the view is stale and a refresh is under way
-        assert await asyncio.wait_for(links.is_up("dc-a", "dc-b"), timeout=1.0)
+        assert await asyncio.wait_for(links.down_reason("dc-a", "dc-b"), timeout=1.0) is None
         name, relay = await asyncio.wait_for(links.relay("dc-a", "dc-b"), timeout=1.0)
         assert (name, relay) == ("dc-a->dc-b", ("10.0.0.2", 7000))
         b.answering.set()
@@ -89,11 +95,11 @@ def test_the_poll_notices_an_outage_and_its_end_without_requests():
     links = _directory(b, ttl_s=0.01)
 
     async def until(up: bool) -> None:
-        while await links.is_up("dc-a", "dc-b") != up:
+        while (await links.down_reason("dc-a", "dc-b") is None) != up:
             await asyncio.sleep(0.01)
 
     async def scenario() -> None:
-        assert await links.is_up("dc-a", "dc-b")
+        assert await links.down_reason("dc-a", "dc-b") is None
         b.down = True
         await asyncio.wait_for(until(False), timeout=5)
         b.down = False
@@ -105,7 +111,14 @@ def test_the_poll_notices_an_outage_and_its_end_without_requests():
 def test_a_new_event_loop_gets_its_own_poll():
     b = _Emulator("dc-b")
     links = _directory(b, ttl_s=3600)
-    assert asyncio.run(links.is_up("dc-a", "dc-b"))
+    assert asyncio.run(links.down_reason("dc-a", "dc-b")) is None
     b.down = True
     links.FAILURES_TO_CUT_OFF = 1
-    assert not asyncio.run(links.is_up("dc-a", "dc-b")), "the first call on a new loop waits for a fresh view"
+    assert asyncio.run(links.down_reason("dc-a", "dc-b")) is not None, "the first call on a new loop waits for a fresh view"
+
+
+def test_a_cut_link_is_down_while_its_datacenter_answers():
+    b = _Emulator("dc-b")
+    b.counters.value = {"dc-a->dc-b": {"is_cut": True, "bytes_down": 1}}
+    links = _directory(b, ttl_s=3600)
+    assert asyncio.run(links.down_reason("dc-a", "dc-b")) == "dc-a->dc-b cut"
