@@ -104,6 +104,7 @@ class LinkDirectory:
         self._handles = handles
         self._known: dict[str, tuple[dict[str, tuple[str, int]], dict[str, Any]]] = {}
         self._misses: dict[str, int] = {}
+        self._last_error: dict[str, Exception] = {}
         self._relays: dict[str, tuple[str, int]] = {}
         self._counters: dict[str, Any] = {}
         self._unreachable: set[str] = set()
@@ -136,7 +137,12 @@ class LinkDirectory:
             else:
                 self._misses[dc] = 0
                 self._known[dc] = result
-        self._unreachable = {dc for dc in self._handles if self._misses.get(dc, 0) >= self.FAILURES_TO_CUT_OFF or dc not in self._known}
+        unreachable = {dc for dc in self._handles if self._misses.get(dc, 0) >= self.FAILURES_TO_CUT_OFF or dc not in self._known}
+        for dc in sorted(unreachable - self._unreachable):
+            logger.warning("%s cut off: its link emulator missed %d polls in a row (last: %r)", dc, self._misses.get(dc, 0), self._last_error.get(dc))
+        for dc in sorted(self._unreachable - unreachable):
+            logger.info("%s reachable again", dc)
+        self._unreachable = unreachable
         self._relays, self._counters = {}, {}
         for dc, (relays, counters) in self._known.items():
             if dc not in self._unreachable:
@@ -147,7 +153,7 @@ class LinkDirectory:
         try:
             return await asyncio.wait_for(asyncio.gather(handle.describe.remote(), handle.counters.remote()), self.CALL_TIMEOUT_S)
         except Exception as exc:  # its datacenter is down, or its deployment gone (DeploymentUnavailableError)
-            logger.warning("link emulator of %s unreachable: %r", dc, exc)
+            self._last_error[dc] = exc
             return None
 
     async def counters(self) -> dict[str, Any]:
@@ -160,7 +166,8 @@ class LinkDirectory:
         if dst_dc in self._unreachable:
             if dst_dc not in self._known:
                 return f"{dst_dc} unreachable: its link emulator has not answered yet"
-            return f"{dst_dc} unreachable: its link emulator missed {self._misses[dst_dc]} polls in a row"
+            last = type(self._last_error.get(dst_dc)).__name__
+            return f"{dst_dc} unreachable: its link emulator missed {self._misses[dst_dc]} polls in a row ({last})"
         name = direction_name(src_dc, dst_dc)
         link = self._counters.get(name)
         return f"{name} cut" if link is not None and link["is_cut"] else None

@@ -4,6 +4,7 @@ and no request waits for the emulators once a view exists."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from ray.serve.exceptions import DeploymentUnavailableError
@@ -44,10 +45,11 @@ def _directory(b: _Emulator, ttl_s: float) -> LinkDirectory:
 
 
 @pytest.mark.parametrize("failure", [RuntimeError("actor unreachable"), DeploymentUnavailableError("Links-dc-b")])
-def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure):
+def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure, caplog):
     b = _Emulator("dc-b")
     b.failure = failure
     links = _directory(b, ttl_s=3600)  # refreshes only where the test asks
+    caplog.set_level(logging.INFO, logger="app.conductor")
 
     async def scenario() -> None:
         assert await links.down_reason("dc-a", "dc-b") is None
@@ -55,12 +57,16 @@ def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure):
         await links.refresh()
         assert (await links.counters())["dc-a->dc-b"]["bytes_down"] == 1, "one missed refresh keeps the last known state"
         assert await links.down_reason("dc-a", "dc-b") is None
+        assert not caplog.records
         await links.refresh()
-        assert await links.down_reason("dc-a", "dc-b") == "dc-b unreachable: its link emulator missed 2 polls in a row", "the second in a row cuts it off"
+        assert await links.down_reason("dc-a", "dc-b") == f"dc-b unreachable: its link emulator missed 2 polls in a row ({type(failure).__name__})", "the second in a row cuts it off"
         assert await links.counters() == {}
+        await links.refresh()
+        assert [r.getMessage() for r in caplog.records] == [f"dc-b cut off: its link emulator missed 2 polls in a row (last: {failure!r})"], "one warning per outage"
         b.down = False
         await links.refresh()
         assert await links.down_reason("dc-a", "dc-b") is None
+        assert caplog.records[-1].getMessage() == "dc-b reachable again"
 
     asyncio.run(scenario())
 
