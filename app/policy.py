@@ -12,6 +12,8 @@ Rules (../shared/PDD.md):
   because requests ending at RLD leave MD's cache behind P's and overload RLD.
 - A saturated RLD is not given more relays: the request goes P-MD and pays the
   transfer rather than queueing behind other relays.
+- A conversation stays on the decoder holding its context until that decoder's
+  batch is full (`affinity_room`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from app.config import HandoffConfig, HandoffMode, RoutingConfig
+from app.config import EngineConfig, HandoffConfig, HandoffMode, RoutingConfig
 
 
 class Pipeline(str, Enum):
@@ -100,6 +102,17 @@ class LinkBacklog:
     def add(self, nbytes: int, now: float) -> None:
         self.queued(now)
         self._bytes += nbytes
+
+
+def affinity_room(engine: EngineConfig, prefills: bool) -> int:
+    """Requests a replica runs before routing moves its conversations to a less busy one
+    (`PrefixIndex.choose`'s `room`).
+
+    None for a replica that prefills: each request ahead of a prompt delays its first token,
+    so the index's `imbalance_limit` alone decides. One that only decodes keeps them until its
+    batch is full: one more sequence barely slows its steps, while a move costs the
+    conversation's whole context, over the WAN for a main decoder."""
+    return 0 if prefills else engine.max_num_seqs
 
 
 def blocks_missing(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:

@@ -117,7 +117,7 @@ class PrefixIndex:
         cache = self._replicas.get(replica_id)
         return 0 if cache is None else cache.held.matched(keys) * self.block_size
 
-    def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int]) -> Choice:
+    def choose(self, candidates: dict[str, int], keys: Sequence[int], load: Callable[[str], int], room: int = 0) -> Choice:
         """Longest known hit, then the replica the conversation was routed to,
         unless that replica is overloaded; ties go to the idlest, then to the
         emptiest cache, then to a replica picked by rendezvous hashing of the
@@ -125,6 +125,8 @@ class PrefixIndex:
         replica turn after turn.
 
         `candidates` maps live replica ids to their KV capacity in blocks.
+        Overloaded: `imbalance_limit` requests busier than the idlest, and
+        running at least `room` (`policy.affinity_room`).
         """
         if not candidates:
             raise ValueError("no candidate replicas")
@@ -136,7 +138,7 @@ class PrefixIndex:
             loads[rid] = load(rid)
         limit = min(loads.values()) + self.imbalance_limit
         # held blocks first, then routed blocks; each is computed only where it can still decide
-        held = {rid: replicas[rid].held.matched(keys) for rid in candidates if loads[rid] <= limit}
+        held = {rid: replicas[rid].held.matched(keys) for rid in candidates if loads[rid] <= limit or loads[rid] < room}
         most = max(held.values())
         tied = [rid for rid, blocks in held.items() if blocks == most]
         if len(tied) > 1:

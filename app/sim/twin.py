@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
 from app.config import Mode, PDDConfig, RoleName
-from app.policy import ClusterFacts, LinkBacklog, LinkFacts, Pipeline, blocks_missing
+from app.policy import ClusterFacts, LinkBacklog, LinkFacts, Pipeline, affinity_room, blocks_missing
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
 from app.sim.engine import Instance, PrefillJob, Seq
 from app.sim.events import Loop
@@ -182,9 +182,9 @@ class Twin(PDDPipelines):
 
     # ---- the conductor's index (Conductor.route / unroute / remember) ------------------
 
-    def _route(self, role: RoleName, keys: KeyChain) -> tuple[Instance, int]:
+    def _route(self, role: RoleName, keys: KeyChain, prefills: bool) -> tuple[Instance, int]:
         index = self.index
-        choice = index.choose(self.candidates[role], keys, self._load)
+        choice = index.choose(self.candidates[role], keys, self._load, affinity_room(self.config.roles.get(role).engine, prefills))
         inst = self.replicas[choice.replica_id]
         # the next turn may arrive before this one ends: it should come here too
         index.route(inst.name, keys, inst.kv_blocks)
@@ -246,7 +246,7 @@ class Twin(PDDPipelines):
     def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None:
         """Conductor.prefill: route P by prefix, P computes the prompt and its first token."""
         req = job.req
-        p, _ = self._route(RoleName.prefill, job.keys)
+        p, _ = self._route(RoleName.prefill, job.keys, prefills=True)
         job.p = p
         p.streams += 1
         job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
@@ -311,7 +311,7 @@ class Twin(PDDPipelines):
     def _colocated(self, job: Job) -> None:
         job.pipe = Pipeline.colocated
         req = job.req
-        d, _ = self._route(RoleName.main_decode, job.keys)
+        d, _ = self._route(RoleName.main_decode, job.keys, prefills=True)
         self._open_decoder(job, d, req.prefix_tokens)
         job.pl = job.dl  # one engine: one lease
         self._prefill(job, d, req.prompt_tokens + req.output_tokens, self._colocated_first)
@@ -340,7 +340,7 @@ class Twin(PDDPipelines):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
             self._finish(job)
             return
-        d, _ = self._route(RoleName.relay_decode, job.keys)
+        d, _ = self._route(RoleName.relay_decode, job.keys, prefills=False)
         self._open_decoder(job, d, req.prefix_tokens)
         job.pulls = 1
         self._send(self.intra, d, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
@@ -362,7 +362,7 @@ class Twin(PDDPipelines):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
             self._finish(job)
             return
-        d, _ = self._route(RoleName.main_decode, job.keys)
+        d, _ = self._route(RoleName.main_decode, job.keys, prefills=False)
         self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
         self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
         job.pulls = 1

@@ -26,6 +26,17 @@ def test_overloaded_replica_loses_affinity():
     assert choice.replica_id == "md-0" and choice.cached_tokens == 0
 
 
+def test_a_replica_with_room_keeps_its_conversations_however_busy():
+    """A decoder below its batch limit (`room`) is not overloaded, whatever the idlest runs."""
+    idx = PrefixIndex(32, imbalance_limit=4)
+    keys = idx.keys(list(range(320)))
+    idx.record("md-1", keys, 1000)
+    replicas = {"md-0": 1000, "md-1": 1000}
+    assert idx.choose(replicas, keys, load={"md-0": 0, "md-1": 63}.get, room=64).replica_id == "md-1"
+    assert idx.choose(replicas, keys, load={"md-0": 0, "md-1": 64}.get, room=64).replica_id == "md-0"
+    assert idx.choose(replicas, keys, load={"md-0": 60, "md-1": 64}.get, room=64).replica_id == "md-1", "within the imbalance limit"
+
+
 def test_ties_go_to_the_idlest():
     idx = PrefixIndex(32)
     choice = idx.choose({"a": 10, "b": 10}, idx.keys(list(range(64))), load={"a": 3, "b": 1}.get)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import app.sim.twin
+from app.config import RoleName
 from app.policy import Pipeline
 from app.prefix_index import PrefixIndex, ReplicaCache, _LRU
 from app.sim import Outage, simulate
@@ -138,9 +139,9 @@ def _logging(twin: app.sim.twin.Twin) -> list[tuple]:
     index = twin.index
     choose = index.choose
 
-    def logged_choose(candidates, keys, load):
-        choice = choose(candidates, keys, load)
-        log.append(("choose", dict(candidates), list(keys), {rid: load(rid) for rid in candidates}, choice))
+    def logged_choose(candidates, keys, load, room):
+        choice = choose(candidates, keys, load, room)
+        log.append(("choose", dict(candidates), list(keys), {rid: load(rid) for rid in candidates}, room, choice))
         return choice
 
     def logging(name):
@@ -173,18 +174,34 @@ def test_replica_choices_equal_prefix_index_choose_on_the_same_inputs(mode):
     log = _logging(twin)
     twin.run(workload.generate())
     chooses = [e for e in log if e[0] == "choose"]
-    assert len({e[4].replica_id for e in chooses}) >= 3  # every replica of a role was chosen
+    assert len({e[5].replica_id for e in chooses}) >= 3  # every replica of a role was chosen
     assert any(e[0] == "observe" for e in log)
     # replay into the real index, with the real per-replica store
     real = PrefixIndex(config.model.block_size)
     for entry in log:
         if entry[0] == "choose":
-            _, candidates, keys, loads, made = entry
-            assert real.choose(candidates, keys, loads.__getitem__) == made
+            _, candidates, keys, loads, room, made = entry
+            assert real.choose(candidates, keys, loads.__getitem__, room) == made
         else:
             getattr(real, entry[0])(*entry[1:])
     if mode == "pd_cross_dc_naive":
         assert any(e[0] == "unroute" for e in log)
+
+
+@pytest.mark.parametrize("mode", ["pdd", "pd_intra_dc", "colocated", "pd_cross_dc_naive"])
+def test_replicas_that_prefill_get_no_room_and_decoders_their_batch(mode):
+    """policy.affinity_room at each of the twin's routing calls, as at the conductor's."""
+    config = tiny_config(mode)
+    twin = app.sim.twin.Twin(config)
+    log = _logging(twin)
+    twin.run(AgenticWorkload(requests=40, rps=4.0, seed=1, first_prompt_median=2000, output_median=20).generate())
+    rooms = {}
+    for e in log:
+        if e[0] == "choose":
+            rooms.setdefault(e[5].replica_id.rsplit("-", 1)[0], set()).add(e[4])
+    decoders = {role.value: config.roles.get(role).engine.max_num_seqs for role in (RoleName.relay_decode, RoleName.main_decode) if config.roles.get(role)}
+    expected = {role: {0} if role == "prefill" or mode == "colocated" else {decoders[role]} for role in rooms}
+    assert rooms == expected and (mode == "colocated" or "prefill" in rooms)
 
 
 def test_twin_uses_prefix_index_itself():
@@ -205,11 +222,11 @@ def test_a_conversation_stays_on_its_replicas_turn_after_turn():
     picks = {}
     for e in log:
         if e[0] == "choose":
-            role = e[4].replica_id.rsplit("-", 1)[0]
-            picks.setdefault(role, set()).add(e[4].replica_id)
+            role = e[5].replica_id.rsplit("-", 1)[0]
+            picks.setdefault(role, set()).add(e[5].replica_id)
     assert all(len(v) == 1 for v in picks.values())
     # and from the second turn on the index expected the previous turn's prefix there
-    md_estimates = [e[4].cached_tokens for e in log if e[0] == "choose" and e[4].replica_id.startswith("main")]
+    md_estimates = [e[5].cached_tokens for e in log if e[0] == "choose" and e[5].replica_id.startswith("main")]
     assert md_estimates[0] == 0 and all(est > 0 for est in md_estimates[1:])
 
 
