@@ -102,6 +102,7 @@ class Twin(PDDPipelines):
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
         self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls, config.kv.pull_order) for name in self.replicas}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
+        self.rooms = {(role, prefills): affinity_room(config.roles.get(role).engine, prefills) for role in pools for prefills in (True, False)}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
         replicas = self.replicas
         self._load: Callable[[str], int] = lambda rid: replicas[rid].streams
@@ -184,7 +185,7 @@ class Twin(PDDPipelines):
 
     def _route(self, role: RoleName, keys: KeyChain, prefills: bool) -> tuple[Instance, int]:
         index = self.index
-        choice = index.choose(self.candidates[role], keys, self._load, affinity_room(self.config.roles.get(role).engine, prefills))
+        choice = index.choose(self.candidates[role], keys, self._load, self.rooms[role, prefills])
         inst = self.replicas[choice.replica_id]
         # the next turn may arrive before this one ends: it should come here too
         index.route(inst.name, keys, inst.kv_blocks)
