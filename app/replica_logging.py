@@ -2,10 +2,10 @@
 
 Serve's throughput mode (app/cluster.py) sends a replica's stderr into Serve's
 own logger, which buffers 1,000 records and writes them early only for an
-error. A warning such as "link emulator of dc-b unreachable" then reaches no
+error. A warning such as "dc-b cut off" then reaches no
 file and no console while it matters, and is lost if the replica dies. The
-`app` logger writes to the process's real stderr instead: Ray keeps it in the
-worker's .err file and streams it to the driver (`pdd run`'s console).
+`app` logger writes to the process's real stderr instead, which Ray keeps in
+the worker's .err file (`pdd run`: /tmp/pdd-ray/session_latest/logs/worker-*.err).
 """
 
 from __future__ import annotations
