@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from app import metrics
-from app.conductor import LinkDirectory
+from app.link_directory import LinkDirectory
 from app.faults import Faults
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, ray_prometheus

@@ -9,7 +9,7 @@ import logging
 import pytest
 from ray.serve.exceptions import DeploymentUnavailableError
 
-from app.conductor import LinkDirectory
+from app.link_directory import LinkDirectory
 
 
 class _Method:
@@ -49,7 +49,7 @@ def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure, caplog):
     b = _Emulator("dc-b")
     b.failure = failure
     links = _directory(b, ttl_s=3600)  # refreshes only where the test asks
-    caplog.set_level(logging.INFO, logger="app.conductor")
+    caplog.set_level(logging.INFO, logger="app.link_directory")
 
     async def scenario() -> None:
         assert await links.down_reason("dc-a", "dc-b") is None
