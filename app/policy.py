@@ -108,7 +108,7 @@ def affinity_room(engine: EngineConfig, prefills: bool) -> int:
     """Requests a replica runs before routing moves its conversations to a less busy one
     (`PrefixIndex.choose`'s `room`).
 
-    None for a replica that prefills: each request ahead of a prompt delays its first token,
+    0 for a replica that prefills: each request ahead of a prompt delays its first token,
     so the index's `imbalance_limit` alone decides. One that only decodes keeps them until its
     batch is full: one more sequence barely slows its steps, while a move costs the
     conversation's whole context, over the WAN for a main decoder."""
