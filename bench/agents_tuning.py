@@ -69,7 +69,8 @@ from agents.knobs import with_knobs
 from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
 from app.config import LiveKnobs, PDDConfig, RoleName
 from app.config_file import load_config
-from app.sim import AgenticWorkload, SimRun, Summary, goodput_search, simulate
+from app.sim import SimRun, Summary, goodput_search, simulate
+from app.sim.run import TimedTraffic
 from bench.common import ROOT, median, write_outputs
 from bench.paper_table import WORKLOAD
 
@@ -86,27 +87,12 @@ SEARCH_FROM_RPS = 1.0
 
 
 @dataclass(frozen=True)
-class Setup:
+class Setup(TimedTraffic):
+    """The offered traffic (`span_s` seconds of it per run) and the agents' config."""
+
     config: PDDConfig
     """The agents' config: the file's, with the budget as agents.max_cost_per_hour."""
-    workload: AgenticWorkload
     rps: float
-    warmup_s: float
-    window_s: float
-
-    @property
-    def span_s(self) -> float:
-        return self.warmup_s + self.window_s
-
-    @property
-    def warmup_share(self) -> float:
-        return self.warmup_s / self.span_s
-
-    def traffic(self, seed: int):
-        """Offered traffic at a load: the same sessions for every load, `span_s` seconds of it."""
-        def at(rps: float):
-            return self.workload.model_copy(update={"rps": rps, "requests": max(1, round(rps * self.span_s)), "seed": seed}).generate()
-        return at
 
 
 @dataclass(frozen=True)
@@ -385,9 +371,9 @@ def main() -> None:
     config = base.model_copy(update={"agents": base.agents.model_copy(update={"max_cost_per_hour": budget})})
     seeds = list(range(a.seed, a.seed + a.seeds))
     window_s = config.slo.window_s
-    sizing = Twin(Setup(config, WORKLOAD, a.rps or 1.0, a.warmup_s, window_s))
+    sizing = Twin(Setup(WORKLOAD, a.warmup_s, window_s, config, a.rps or 1.0))
     rps = a.rps if a.rps is not None else round(a.load_share * sizing.goodput(shipped, seeds[0], a.rel_tol), 2)
-    setup = Setup(config, WORKLOAD, rps, a.warmup_s, window_s)
+    setup = Setup(WORKLOAD, a.warmup_s, window_s, config, rps)
     twin = Twin(setup)
     twin.searches.update(sizing.searches)  # searches do not depend on the offered load
     twin.sims += sizing.sims

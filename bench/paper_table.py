@@ -27,9 +27,15 @@ Setup.
   paper's P90s sit at the ~10 s SLO, which is where a system is at its own
   peak). TTFT and WAN vs naive: both at the highest load naive sustains (the
   paper compares them at one load; PDD's peak is past naive's).
+- Runs: `--warmup-s` of traffic, then `--window-s` measured, at every load. A
+  PDD fleet starts with its main decoders' caches cold, so every live
+  conversation's context crosses the WAN once: at 65 RPS that saturated the
+  WAN for ~3 minutes. Runs of a fixed number of requests with a fixed warm-up
+  share measured part of that, the more the higher the load: PDD's figures grew
+  with run length, intra-DC's less (its prefill caches start cold too).
 Figures are medians over seeds.
 
-    python bench/paper_table.py [--seeds 3] [--requests 20000] [--scale 25] [--json out.json]
+    python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,21 +53,22 @@ from rich.table import Table
 from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles
 from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
-from app.sim.run import SearchResult, agentic_at, goodput_search, simulate
+from app.sim.run import SearchResult, TimedTraffic, goodput_search, simulate
 from app.sim.workload import AgenticWorkload, hit_rate
 from bench.common import ROOT, median, write_outputs
 
 console = Console(width=170)
 CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
-WARMUP = 0.2
 
 #: ../shared/PDD.md, "Reported results (DeepSeek-V4-pro, real agentic trace, 64K context, 90% hit)".
 PAPER = {
     "intra_rps": 9.0, "pdd_rps": 11.5,
     "cost_change": (-0.071, -0.035), "bcr_change": (0.324, 0.375),
     "intra_ttft": (3.9, 10.4, 17.2), "pdd_ttft": (4.2, 9.8, 14.4), "naive_ttft": (6.7, 18.3, 29.7),
-    "raw_wan_gbps": 180.0, "wan_cut": 10.0, "relay_share": 0.06, "relay_gpus": (3, 75),
+    "raw_wan_gbps": 180.0, "wan_cut": 10.0, "relay_share": 0.06, "relay_gpus": (3, 75), "decode_gpus": (32, 75),
 }
+PAPER_DECODE_SHARE = PAPER["decode_gpus"][0] / PAPER["decode_gpus"][1]
+"""Decode's share of the paper's deployment (43 GPU-A + 32 GPU-B, the latter decoding)."""
 COST_BAND = (1 + PAPER["cost_change"][0], 1 + PAPER["cost_change"][1])
 """PDD's cost / the baseline's."""
 THRESHOLDS_MS = (300.0, 100.0, 50.0)
@@ -76,7 +83,8 @@ WORKLOAD = AgenticWorkload(
 H100, H200 = "h100-a", "h200-b"
 
 
-def parameters(base: PDDConfig, w: AgenticWorkload) -> list[tuple[str, str, str]]:
+def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
+    w = t.workload
     m = base.model.spec
     groups = base.node_groups
     wan = base.link("dc-a", "dc-b")
@@ -101,7 +109,9 @@ def parameters(base: PDDConfig, w: AgenticWorkload) -> list[tuple[str, str, str]
          f"{base.handoff.mode.value}, cap {base.handoff.relay_cap_tokens}", "config and policy defaults"),
         ("SLO", f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
          "paper's TTFT P90s near 10 s; DeepSeek's ~20 tokens/s per user; gap: assumption"),
-        ("workload", f"{w.requests:,} requests per run; sessions of {w.turns_min}-{w.turns_max} turns; first prompt median "
+        ("runs", f"{t.warmup_s:g} s of traffic for the cold caches to settle, then {t.window_s:g} s measured, at every load",
+         "twin: PDD (19 P, 1 RLD, 7 MD) at 65 RPS starts with ~3 minutes of a saturated WAN; agents_tuning's warm-up"),
+        ("workload", f"sessions of {w.turns_min}-{w.turns_max} turns; first prompt median "
          f"{w.first_prompt_median:,}, window {w.max_context_tokens:,}; output median {w.output_median}; think "
          f"{w.think_time_min_s:g}+exp({w.think_time_mean_s:g}) s", "PDD.md: 64K context, ~90% hit; TraceLab: ~523 output tokens per step"),
     ]
@@ -144,7 +154,7 @@ def pdd_family(base: PDDConfig, budget: float) -> tuple[range, object]:
     return range(1, int(budget // ca)), make
 
 
-def best_split(name: str, counts: range, make, w: AgenticWorkload) -> tuple[PDDConfig, float]:
+def best_split(name: str, counts: range, make, t: TimedTraffic) -> tuple[PDDConfig, float]:
     """Integer ternary search over the prefill count: RPS in SLA rises with prefill until
     decode binds, then falls (unimodal), so few splits need a full goodput search."""
     seen: dict[int, float] = {}
@@ -153,7 +163,7 @@ def best_split(name: str, counts: range, make, w: AgenticWorkload) -> tuple[PDDC
     def rps(p: int) -> float:
         if p not in seen:
             c = make(p)
-            seen[p] = search(c, w, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
+            seen[p] = search(c, t, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
             console.print(f"  split {name:15s} {fleet(c):48s} ${cost_per_hour(c):7.0f}/h: {seen[p]:6.2f} RPS in SLA")
         return seen[p]
 
@@ -171,12 +181,12 @@ def best_split(name: str, counts: range, make, w: AgenticWorkload) -> tuple[PDDC
     return make(best), seen[best]
 
 
-def best_threshold(c: PDDConfig, w: AgenticWorkload, lo: float) -> tuple[PDDConfig, float]:
+def best_threshold(c: PDDConfig, t: TimedTraffic, lo: float) -> tuple[PDDConfig, float]:
     found = {}
-    for t in THRESHOLDS_MS:
-        candidate = derive(c, routing=c.routing.model_copy(update={"max_wan_transfer_ms": t}))
-        found[t] = (search(candidate, w, 0, lo=max(lo, 1.0)).rps, candidate)
-        console.print(f"  threshold {t:5g} ms: {found[t][0]:6.2f} RPS in SLA")
+    for ms in THRESHOLDS_MS:
+        candidate = derive(c, routing=c.routing.model_copy(update={"max_wan_transfer_ms": ms}))
+        found[ms] = (search(candidate, t, 0, lo=max(lo, 1.0)).rps, candidate)
+        console.print(f"  threshold {ms:5g} ms: {found[ms][0]:6.2f} RPS in SLA")
     rps, best = max(found.values(), key=lambda x: x[0])
     return best, rps
 
@@ -204,28 +214,34 @@ def gpus(c: PDDConfig) -> dict[str, int]:
 ROLE_SHORT = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}
 
 
-def search(c: PDDConfig, w: AgenticWorkload, seed: int, lo: float = 4.0) -> SearchResult:
-    return goodput_search(c, agentic_at(w.model_copy(update={"seed": seed})), lo=lo, rel_tol=0.03, seed=seed, warmup=WARMUP)
+def search(c: PDDConfig, t: TimedTraffic, seed: int, lo: float = 4.0) -> SearchResult:
+    return goodput_search(c, t.traffic(seed), lo=lo, rel_tol=0.03, seed=seed, warmup=t.warmup_share)
 
 
-def at_load(c: PDDConfig, w: AgenticWorkload, rps: float, seed: int):
-    return simulate(c, w.model_copy(update={"seed": seed, "rps": rps}), seed=seed).summary(WARMUP)
+def at_load(c: PDDConfig, t: TimedTraffic, rps: float, seed: int):
+    return simulate(c, t.at(rps, seed), seed=seed).summary(t.warmup_share)
+
+
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The run-length, fleet-scale and output options this bench shares with paper_crossover."""
+    ap.add_argument("--warmup-s", type=float, default=450.0, help="simulated seconds of traffic before the measured window (cold caches settle)")
+    ap.add_argument("--window-s", type=float, default=300.0, help="simulated seconds measured per run")
+    ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
+    ap.add_argument("--json", dest="json_path")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=20_000, help="requests per simulated run")
-    ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
-    ap.add_argument("--json", dest="json_path")
+    add_run_arguments(ap)
     a = ap.parse_args()
 
     base = load_config(CONFIG)
-    w = WORKLOAD.model_copy(update={"requests": a.requests})
+    t = TimedTraffic(WORKLOAD, a.warmup_s, a.window_s)
     ca, cb = base.node_groups[H100].cost_per_hour, base.node_groups[H200].cost_per_hour
     t0 = time.perf_counter()
 
-    sample = list(w.generate())
+    sample = list(WORKLOAD.model_copy(update={"requests": 20_000}).generate())
     hits = [hit_rate(r) for r in sample]
     realized = {
         "mean_prompt_tokens": sum(r.prompt_tokens for r in sample) / len(sample),
@@ -237,7 +253,7 @@ def main() -> None:
     params = Table(title="parameters and their sources")
     for col in ("parameter", "value", "source"):
         params.add_column(col)
-    for row in parameters(base, w):
+    for row in parameters(base, t):
         params.add_row(*row)
     params.add_row("workload as generated", f"mean prompt {realized['mean_prompt_tokens']:,.0f}, mean output {realized['mean_output_tokens']:,.0f} "
                    f"tokens, mean hit {realized['mean_hit']:.1%}, {realized['share_hit_over_95']:.0%} of turns > 95%, "
@@ -249,13 +265,13 @@ def main() -> None:
     chosen: dict[str, PDDConfig] = {}
     known: dict[str, float] = {}
     """RPS each chosen system sustained on the first seed: where its later searches start."""
-    chosen["intra-DC H100"], known["intra-DC H100"] = best_split("intra-DC H100", range(1, a.scale), intra(base, H100, a.scale), w)
+    chosen["intra-DC H100"], known["intra-DC H100"] = best_split("intra-DC H100", range(1, a.scale), intra(base, H100, a.scale), t)
     counts, make = pdd_family(base, cost_per_hour(chosen["intra-DC H100"]))
-    pdd, pdd_rps = best_split("PDD", counts, make, w)
-    chosen["PDD"], known["PDD"] = best_threshold(pdd, w, lo=0.6 * pdd_rps)
+    pdd, pdd_rps = best_split("PDD", counts, make, t)
+    chosen["PDD"], known["PDD"] = best_threshold(pdd, t, lo=0.6 * pdd_rps)
     pdd_cost = cost_per_hour(chosen["PDD"])
     k = nearest(pdd_cost / (sum(COST_BAND) / 2), cb, 0.0)
-    chosen["intra-DC H200"], known["intra-DC H200"] = best_split("intra-DC H200", range(1, k), intra(base, H200, k), w)
+    chosen["intra-DC H200"], known["intra-DC H200"] = best_split("intra-DC H200", range(1, k), intra(base, H200, k), t)
     chosen["naive cross-DC"] = derive(chosen["PDD"], mode=Mode.pd_cross_dc_naive)
     known["naive cross-DC"] = 0.25 * known["PDD"]
     systems = list(chosen)
@@ -268,7 +284,7 @@ def main() -> None:
         figs: dict[str, dict[str, float]] = {}
         for name in systems:
             c = chosen[name]
-            found = search(c, w, seed, lo=max(1.0, 0.6 * known[name]))
+            found = search(c, t, seed, lo=max(1.0, 0.6 * known[name]))
             figs[name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
             s = found.summary
             if s is not None:
@@ -276,11 +292,11 @@ def main() -> None:
                                   wan_gbps_peak=s.wan_gbps, tpot90=s.tpot_s[1], gap99=s.gap_s[2])
         common = min(figs[n]["rps"] for n in ("PDD", "intra-DC H100"))
         for name in ("PDD", "intra-DC H100"):
-            s = at_load(chosen[name], w, common, seed)
+            s = at_load(chosen[name], t, common, seed)
             figs[name].update(common_ttft50=s.ttft_s[0], common_ttft90=s.ttft_s[1], common_ttft99=s.ttft_s[2], load_common=common)
         load_naive = figs["naive cross-DC"]["rps"]
         for name in ("PDD", "naive cross-DC"):
-            s = at_load(chosen[name], w, load_naive, seed)
+            s = at_load(chosen[name], t, load_naive, seed)
             figs[name].update(naive_ttft50=s.ttft_s[0], naive_ttft90=s.ttft_s[1], naive_ttft99=s.ttft_s[2],
                               wan_gbps=s.wan_gbps, load_naive=load_naive)
         per_seed.append(figs)
@@ -300,7 +316,7 @@ def main() -> None:
     explain(med, chosen, checks, notes)
 
     rows = [{"system": n, "fleet": fleet(chosen[n]), "threshold_ms": chosen[n].routing.max_wan_transfer_ms, **med[n]} for n in systems]
-    summary = {"seeds": a.seeds, "requests_per_run": a.requests, "scale": a.scale, "workload": realized, "systems": rows,
+    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale, "workload": realized, "systems": rows,
                "checks": checks, "notes": notes,
                "paper_directions_matched": sum(c["match"] for c in checks if c["paper_baseline"]),
                "paper_directions_total": sum(c["paper_baseline"] for c in checks),
@@ -419,7 +435,8 @@ def explain(med: dict, chosen: dict, checks: list[dict], notes: dict) -> None:
         f"cost: by construction (PDD's fleet is sized 3.5-7.1% below each baseline's, the paper's reported saving).",
         f"relay: one {fleet_of(chosen['PDD'], 'relay_decode')} replica is {notes['relay_share_of_cost']:.1%} of PDD's cost "
         f"(paper: 3 of 75 GPUs, 4%) and produced {notes['relay_share_of_tokens']:.1%} of the tokens (paper ~6%).",
-        f"decode is {share['PDD']:.0%} of PDD's cost and {share['intra-DC H100']:.0%} of the H100 baseline's (paper: 32 of 75 GPUs, 43%): "
+        f"decode is {share['PDD']:.0%} of PDD's cost and {share['intra-DC H100']:.0%} of the H100 baseline's "
+        f"(paper: {PAPER['decode_gpus'][0]} of {PAPER['decode_gpus'][1]} GPUs, {PAPER_DECODE_SHARE:.0%}): "
         f"with V4-Pro's 837 GB of weights and 2 KB read per context token, a decode step is a weight read, shared by hundreds of sequences, "
         f"and ~550-token outputs need few decode replicas. What H200 saves there is bounded by that share.",
     ]

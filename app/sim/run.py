@@ -120,6 +120,41 @@ def agentic_at(template: AgenticWorkload) -> Callable[[float], Iterable[Request]
     return lambda rps: template.with_rps(rps).generate()
 
 
+@dataclass(frozen=True)
+class TimedTraffic:
+    """Agentic traffic measured by simulated time, at any load: `warmup_s` seconds
+    for the cold start's transient, then `window_s` measured.
+
+    A cluster starts with cold prefix caches. In PDD every live conversation's
+    context then crosses the WAN once: at paper_table's scale that is minutes of
+    a saturated WAN, and a run counting a share of its arrivals as warm-up
+    measured part of it, more of it at higher loads. Runs of fixed simulated
+    length put the warm-up where the caches have settled at every load.
+    """
+
+    workload: AgenticWorkload
+    """Its `requests` and `rps` are set per run."""
+    warmup_s: float
+    window_s: float
+
+    @property
+    def span_s(self) -> float:
+        return self.warmup_s + self.window_s
+
+    @property
+    def warmup_share(self) -> float:
+        """The warm-up as a share of the run (`SimRun.summary`'s `warmup`)."""
+        return self.warmup_s / self.span_s
+
+    def at(self, rps: float, seed: int) -> AgenticWorkload:
+        """`span_s` seconds of the traffic at `rps`."""
+        return self.workload.model_copy(update={"rps": rps, "requests": max(1, round(rps * self.span_s)), "seed": seed})
+
+    def traffic(self, seed: int) -> Callable[[float], Iterable[Request]]:
+        """The same sessions at every load (a goodput search's probes differ only in pace)."""
+        return lambda rps: self.at(rps, seed).generate()
+
+
 def hit_sweep(config: PDDConfig, baseline: PDDConfig, template: AgenticWorkload, hits: Iterable[float], *,
               perf: PerfArg = None, seed: int = 0, warmup: float = 0.1,
               on_point: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:

@@ -102,6 +102,11 @@ class AgenticWorkload(BaseModel):
     think_time_min_s: Annotated[float, Field(ge=0)] = 20.0
     think_time_mean_s: Annotated[float, Field(ge=0)] = 20.0
     """Gap between a session's turns: think_time_min_s plus an exponential draw of this mean."""
+    answer_s_per_output_token: Annotated[float, Field(ge=0)] = 0.0
+    """Seconds the gap grows per output token of the previous turn: the agent reads the
+    whole answer before its tools run. 0 folds the answer into the think time, which
+    holds for outputs that stream within think_time_min_s; with longer outputs, turns
+    would come due before their predecessor finished even on an idle cluster."""
 
     def with_rps(self, rps: float) -> "AgenticWorkload":
         return self.model_copy(update={"rps": rps})
@@ -126,6 +131,7 @@ class _Draws:
         self.out_max = w.output_max
         self.think_min = w.think_time_min_s
         self.think_rate = 1 / w.think_time_mean_s if w.think_time_mean_s > 0 else 0.0
+        self.answer_s = w.answer_s_per_output_token
 
 
 def _session_turns(d: _Draws, rng: random.Random, start: float) -> list[tuple[float, int, int, int]]:
@@ -149,7 +155,7 @@ def _session_turns(d: _Draws, rng: random.Random, start: float) -> list[tuple[fl
             else:
                 prompt = d.compacted
                 prefix = min(stream, int(hit * prompt))
-            t += d.think_min + (rng.expovariate(d.think_rate) if d.think_rate else 0.0)
+            t += d.think_min + (rng.expovariate(d.think_rate) if d.think_rate else 0.0) + output * d.answer_s
         output = min(d.out_max, max(1, int(lognorm(d.out_mu, d.out_sigma))))
         out.append((t, prompt, prefix, output))
         stream = prompt + output
@@ -164,7 +170,9 @@ def agentic_requests(w: AgenticWorkload) -> Iterator[Request]:
     pending: list[tuple[float, int, int, Request]] = []
     # sessions start a lifetime before 0 and only arrivals from 0 on are served: the offered
     # rate is steady from the first request (caches still start cold: see the warm-up share)
-    next_start = -max(w.turns_min, w.turns_max) * (w.think_time_min_s + w.think_time_mean_s) + rng.expovariate(session_rate)
+    mean_output = min(w.output_max, w.output_median * math.exp(w.output_sigma ** 2 / 2))
+    mean_gap = w.think_time_min_s + w.think_time_mean_s + mean_output * w.answer_s_per_output_token
+    next_start = -max(w.turns_min, w.turns_max) * mean_gap + rng.expovariate(session_rate)
     sid = 0
     emitted = 0
     while emitted < w.requests:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from app.config import Mode
 from app.sim import AgenticWorkload, Request, goodput_search, read_trace, simulate, write_trace
 from app.sim.cluster import cost_per_hour, derive
-from app.sim.run import agentic_at
+from app.sim.run import TimedTraffic, agentic_at
 from app.sim.workload import check_window, fitted_to_window, fixed_hit, hit_rate
 from tests.unit.test_sim_twin import tiny_args, tiny_config
 
@@ -31,6 +31,35 @@ def test_generator_follows_its_settings():
     assert 0.7 < np.mean(hits > 0.95) < 0.8
     assert 0.02 < np.mean(hits < 0.5) < 0.06
     assert max(r.prompt_tokens for r in reqs) <= 65_536
+
+
+def test_a_turn_waits_for_its_predecessors_answer_at_the_set_pace():
+    base = SMALL.model_copy(update={"requests": 3000})
+    paced = base.model_copy(update={"answer_s_per_output_token": 0.05})
+
+    def sessions(w):
+        out: dict[int, list] = {}
+        for r in w.generate():
+            out.setdefault(r.session, []).append(r)
+        return out
+
+    plain, slow = sessions(base), sessions(paced)
+    compared = 0
+    # same draws in both; sessions seen whole in both (started at or after 0) differ only in their gaps
+    for sid, turns in slow.items():
+        if sid not in plain or turns[0].prefix_tokens or plain[sid][0].prefix_tokens:
+            continue
+        before = plain[sid]
+        n = min(len(turns), len(before))
+        assert [(r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in turns[:n]] == \
+            [(r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in before[:n]]
+        for k in range(1, n):
+            grown = (turns[k].arrival_s - turns[k - 1].arrival_s) - (before[k].arrival_s - before[k - 1].arrival_s)
+            assert grown == pytest.approx(0.05 * turns[k - 1].output_tokens)
+            compared += 1
+    assert compared > 100
+    arrivals = [r.arrival_s for r in paced.generate()]
+    assert len(arrivals) / arrivals[-1] == pytest.approx(paced.rps, rel=0.15)
 
 
 def test_fixed_hit_workload_pins_follow_up_hits():
@@ -169,6 +198,20 @@ def test_goodput_search_is_monotone_in_slo_and_capacity():
     r_tight, r_loose, r_bigger = (_search(c).rps for c in (tight, loose, bigger))
     assert 0 < r_tight < r_loose
     assert r_tight < r_bigger
+
+
+def test_timed_traffic_runs_the_same_simulated_time_at_every_load():
+    timed = TimedTraffic(SMALL, warmup_s=60, window_s=40)
+    assert timed.span_s == 100 and timed.warmup_share == pytest.approx(0.6)
+    for rps in (1.5, 6.0):
+        reqs = list(timed.traffic(seed=4)(rps))
+        assert len(reqs) == round(rps * 100)
+        # the offered rate is steady from 0, so the requests span the run's time at any load
+        assert reqs[-1].arrival_s == pytest.approx(100, rel=0.25)
+        run = simulate(tiny_config("pdd"), reqs, seed=4)
+        start, end = run.results.measured(timed.warmup_share)
+        assert start == pytest.approx(reqs[0].arrival_s + 0.6 * (end - reqs[0].arrival_s))
+    assert timed.at(2.0, seed=4) == SMALL.model_copy(update={"rps": 2.0, "requests": 200, "seed": 4})
 
 
 def _config_file(tmp_path, mode="pdd"):
