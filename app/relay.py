@@ -237,6 +237,10 @@ class Relay:
                         if len(self.out) - 1 >= self.cap:
                             relaying = False
                             self.journey.decision["relay_capped_at"] = self.cap
+                            # RLD's request ends at its cap: its batch slot is what the cap protects,
+                            # and past it its tokens would only be discarded (an MD that fails now is
+                            # replaced by the final step's failover, not by RLD)
+                            pump.cancel()
                         else:
                             next_item = asyncio.create_task(queue.get())
                 if md_task is not None and md_task in done:

@@ -55,14 +55,14 @@ class Job:
         """The main decoder routing chose (PDD)."""
         self.pulls = 0
         self.seq: Seq | None = None
-        """The relay's running sequence (its client-visible tokens, then past its cap the discarded ones)."""
+        """The relay's running sequence (None once RLD's request ended: finished, capped or aborted)."""
         self.sent = 0
         """Relay tokens MD has been sent (covered by its extend steps)."""
         self.rounds = 0
         self.hmode = None
         self.cap = 0
         self.capped = False
-        """The relay reached its cap: the client has `relay_tokens` relay tokens, RLD's later ones are discarded."""
+        """The relay reached its cap: the client has `relay_tokens` relay tokens and RLD's request ended."""
         self.relay_tokens = 0
         self.t_relay_last = -1.0
         self.handed = False

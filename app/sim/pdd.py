@@ -12,10 +12,9 @@ MD is routed first, then the pipeline chosen, then P routed.
   kv.transfer_timeout_s, as the conductor's await_warm does. Each finished
   MD step is a handoff decision: a catch-up round (MD computes the eager
   tokens so far while RLD keeps going) or the final one (RLD is aborted,
-  MD computes the rest and continues the stream). At its cap the relay's
-  tokens stop reaching the client, but RLD's request keeps decoding
-  (discarded) until the final step aborts it, as relay.py's pump does; the
-  next round is then the final one. A request RLD finishes before any
+  MD computes the rest and continues the stream). At its cap RLD's request
+  ends, as relay.py aborts it, and the stream waits for MD's next step,
+  which is then the final one. A request RLD finishes before any
   handoff ends there; MD's step in flight still completes and lands in its
   cache.
 - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
@@ -168,14 +167,9 @@ class PDDPipelines:
             job.t_last = now
             self._finish(job)
             return
-        # at the cap: RLD's request goes on (its tokens discarded) until the final step aborts it
+        # at the cap: RLD's request ends (relay.py aborts it), and the stream waits for MD
         job.capped = True
-        job.seq = self._relay_decode(job, seq.ctx + seq.n, req.output_tokens - 1 - seq.n, self._discarded)
-
-    @cython.locals(seq=Seq)
-    def _discarded(self, seq: Seq, worst: float) -> None:
-        """RLD finished the output past its cap before MD took over."""
-        self._end_relay(seq.owner, seq.ctx + seq.n)
+        self._end_relay(job, seq.ctx + seq.n)
 
     @cython.locals(job=Job)
     def _main_pulled(self, job: Job) -> None:
@@ -215,9 +209,6 @@ class PDDPipelines:
         md.streams -= 1
         seq = job.seq
         if job.capped:
-            if seq is not None:
-                produced, _, _ = job.r.abort(seq, now)
-                self._end_relay(job, seq.ctx + produced)
             self._extend(job, job.relay_tokens, final=True)
             return
         if seq is None:  # the relay has not started: MD continues from the first token

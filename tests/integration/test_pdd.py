@@ -163,6 +163,8 @@ def test_relay_cap_stops_the_relay_and_md_resumes(app, knobs):
     text, journey = completion(app, prompt, 200)
     assert journey["decision"].get("relay_capped_at") == 24
     assert journey["token_sources"][:2] == [["prefill", 1], ["relay_decode", 24]]
+    # RLD's request ended at its cap, well before MD's ~2 s pull landed: it decoded next to nothing past it
+    assert journey["handoff"]["relay_tokens_discarded"] <= 2
     assert text == completion(app, prompt, 200, mode="colocated")[0]
 
 
