@@ -41,8 +41,8 @@ from app.sim.cluster import cost_per_hour
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
 from bench.common import median, write_outputs
-from bench.paper_table import (CONFIG, H100, PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, best_split, best_threshold, console,
-                               decode_cost, fleet, intra, pdd_family, search)
+from bench.paper_table import (CONFIG, PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
+                               decode_cost, fleet, search)
 
 
 def scaled_outputs(w: AgenticWorkload, scale: float, answer_s_per_token: float) -> AgenticWorkload:
@@ -61,10 +61,7 @@ def crossing(xs: list[float], ys: list[float], level: float) -> float | None:
 
 def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     """Best fleets for one workload, then both systems searched on every seed."""
-    intra_cfg, intra_rps = best_split("intra-DC H100", range(1, scale_replicas), intra(base, H100, scale_replicas), t)
-    counts, make = pdd_family(base, cost_per_hour(intra_cfg))
-    pdd_cfg, pdd_rps = best_split("PDD", counts, make, t)
-    pdd_cfg, pdd_rps = best_threshold(pdd_cfg, t, lo=0.6 * pdd_rps)
+    (intra_cfg, intra_rps), (pdd_cfg, pdd_rps) = best_intra_and_pdd(base, t, scale_replicas)
     figs: dict[str, dict[str, list[float]]] = {"pdd": {}, "intra": {}}
     for seed in range(seeds):
         for name, cfg, known in (("pdd", pdd_cfg, pdd_rps), ("intra", intra_cfg, intra_rps)):
@@ -77,12 +74,11 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
                 f.setdefault("relay_share", []).append(found.summary.relay_share)
     med = {n: {k: median(v) for k, v in f.items()} for n, f in figs.items()}
     w = t.workload
-    sample = list(w.model_copy(update={"requests": 20_000}).generate())
     p, i = med["pdd"], med["intra"]
     pdd_cost, intra_cost = cost_per_hour(pdd_cfg), cost_per_hour(intra_cfg)
     return {
         "output_median": w.output_median, "output_max": w.output_max,
-        "mean_output_tokens": sum(r.output_tokens for r in sample) / len(sample),
+        "mean_output_tokens": as_generated(w)["mean_output_tokens"],
         "pdd_fleet": fleet(pdd_cfg), "pdd_threshold_ms": pdd_cfg.routing.max_wan_transfer_ms, "intra_fleet": fleet(intra_cfg),
         "pdd_rps": p["rps"], "intra_rps": i["rps"], "pdd_cost": pdd_cost, "intra_cost": intra_cost,
         "rps_ratio": p["rps"] / i["rps"], "bcr_ratio": (p["rps"] / pdd_cost) / (i["rps"] / intra_cost),
