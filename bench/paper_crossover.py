@@ -8,7 +8,7 @@ deployment had decode on 43% of its GPUs. This sweep asks at what output
 length the twin's comparison turns PDD's way, with every other parameter as
 paper_table has it: each output-length scale multiplies the output median and
 cap; for each, both systems get their best split (PDD at 3.5-7.1% lower cost)
-and PDD its best routing threshold, as in paper_table.
+and PDD its best routing threshold and relay cap, as in paper_table.
 
 A session's next turn waits for the previous answer streamed at the SLO's TPOT
 (`answer_s_per_output_token`) on top of its think time: without it, turns of
@@ -79,7 +79,8 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     return {
         "output_median": w.output_median, "output_max": w.output_max,
         "mean_output_tokens": as_generated(w)["mean_output_tokens"],
-        "pdd_fleet": fleet(pdd_cfg), "pdd_threshold_ms": pdd_cfg.routing.max_wan_transfer_ms, "intra_fleet": fleet(intra_cfg),
+        "pdd_fleet": fleet(pdd_cfg), "pdd_threshold_ms": pdd_cfg.routing.max_wan_transfer_ms,
+        "pdd_relay_cap_tokens": pdd_cfg.handoff.relay_cap_tokens, "intra_fleet": fleet(intra_cfg),
         "pdd_rps": p["rps"], "intra_rps": i["rps"], "pdd_cost": pdd_cost, "intra_cost": intra_cost,
         "rps_ratio": p["rps"] / i["rps"], "bcr_ratio": (p["rps"] / pdd_cost) / (i["rps"] / intra_cost),
         **{f"ttft{q}_ratio": p.get(f"ttft{q}", math.nan) / i.get(f"ttft{q}", math.nan) for q in (50, 90, 99)},
