@@ -213,7 +213,10 @@ def best_intra_and_pdd(base: PDDConfig, t: TimedTraffic, scale: int) -> tuple[tu
     counts, make = pdd_family(base, cost_per_hour(intra_best[0]))
     pdd, pdd_rps = best_split("PDD", counts, make, t)
     knobs, knobs_rps = best_knobs(pdd, t, lo=0.6 * pdd_rps)
-    resplit = best_split("PDD, chosen knobs", counts, lambda p: with_knobs_of(make(p), knobs), t)
+    if knobs.routing == pdd.routing and knobs.handoff == pdd.handoff:
+        resplit = (pdd, pdd_rps)  # the config's knobs won: searching the splits again would repeat the first search
+    else:
+        resplit = best_split("PDD, chosen knobs", counts, lambda p: with_knobs_of(make(p), knobs), t)
     return intra_best, max((knobs, knobs_rps), resplit, key=lambda x: x[1])
 
 
