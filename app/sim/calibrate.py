@@ -94,7 +94,8 @@ PREFIX_SHAPES = ((2048, 64), (4096, 64), (6144, 256), (4096, 1024), (2048, 2048)
 #: (sequences, prompt tokens each) of the decode samples.
 DECODE_SHAPES = ((1, 256), (1, 4096), (4, 256), (4, 2048), (8, 1024), (16, 512), (16, 2048))
 DECODE_TOKENS = 48
-REPEATS = 2
+#: Runs of each shape; its sample is the fastest.
+REPEATS = 3
 #: Fewest timed steps a role's factor is taken from (`fit_to_app_steps`).
 MIN_APP_STEPS = 20
 
@@ -168,7 +169,9 @@ async def measure(
     repeats: int = REPEATS,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> list[StepSample]:
-    """Step samples of one real engine with `role`'s engine arguments."""
+    """Step samples of one real engine with `role`'s engine arguments, one per
+    shape: the fastest of `repeats` runs, since other work on the host only ever
+    adds time to a run, and one slow run would otherwise pull the fit."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from app.engine import engine_args, set_engine_env
@@ -184,10 +187,12 @@ async def measure(
         await _generate(engine, prompts(32), 2)  # first-call costs out of the samples
         samples: list[StepSample] = []
         for n in sorted({min(n, limit) for n in prefill_tokens}):
+            runs = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 await _generate(engine, prompts(n), 1)
-                samples.append(StepSample(n, 0, n, (time.perf_counter() - start) * 1000, chunk_attention_pairs(n, 0)))
+                runs.append((time.perf_counter() - start) * 1000)
+            samples.append(StepSample(n, 0, n, min(runs), chunk_attention_pairs(n, 0)))
             progress(f"prefill {n} tokens: {samples[-1].step_ms:.1f} ms")
         block = vllm_config.cache_config.block_size
         for cached, new in prefix_shapes:
@@ -195,26 +200,30 @@ async def measure(
             cached = min(cached, config.model.max_model_len - new - 1) // block * block
             if cached <= 0:
                 continue
+            runs = []
             for _ in range(repeats):
                 prefix = prompts(cached)
                 await _generate(engine, prefix, 1)
                 start = time.perf_counter()
                 await _generate(engine, prefix + prompts(new), 1)
-                samples.append(StepSample(new, 0, cached + new, (time.perf_counter() - start) * 1000, chunk_attention_pairs(new, cached),
-                                          prefix_chunks=1))
+                runs.append((time.perf_counter() - start) * 1000)
+            samples.append(StepSample(new, 0, cached + new, min(runs), chunk_attention_pairs(new, cached), prefix_chunks=1))
             progress(f"prefill {new} tokens after {cached} cached: {samples[-1].step_ms:.1f} ms")
         for seqs, context in decode_shapes:
             context = min(context, config.model.max_model_len - decode_tokens - 1)
             if seqs > vllm_config.scheduler_config.max_num_seqs:
                 continue
+            step_ms = []
             for _ in range(repeats):
                 runs = await asyncio.gather(*(_generate(engine, prompts(context), decode_tokens) for _ in range(seqs)))
                 last = max(runs, key=lambda t: t[0])
                 end = min(t[-1] for t in runs)
-                steps = sum(1 for t in last if last[0] < t <= end)
-                if steps:
-                    read = seqs * (context + decode_tokens // 2)
-                    samples.append(StepSample(0, seqs, read, (end - last[0]) * 1000 / steps, read))
+                if steps := sum(1 for t in last if last[0] < t <= end):
+                    step_ms.append((end - last[0]) * 1000 / steps)
+            if not step_ms:
+                continue
+            read = seqs * (context + decode_tokens // 2)
+            samples.append(StepSample(0, seqs, read, min(step_ms), read))
             progress(f"decode {seqs} x {context} tokens: {samples[-1].step_ms:.1f} ms per step")
         return samples
     finally:

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.integration
 def test_calibration_on_a_real_engine():
     config = load_config("serve_configs/local.yaml")
     perf, samples = calibrate(config, RoleName.prefill, prefill_tokens=(64, 2048), prefix_shapes=((2048, 64),),
-                              decode_shapes=((1, 256), (8, 1024)), decode_tokens=16, repeats=2)
+                              decode_shapes=((1, 256), (8, 1024)), decode_tokens=16, repeats=3)
     by_shape = {(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read): s.step_ms for s in samples}
+    # one sample per shape (the fastest of its runs)
+    assert sorted(by_shape) == sorted((s.prefill_tokens, s.decode_seqs, s.kv_tokens_read) for s in samples)
     assert set(by_shape) == {(64, 0, 64), (2048, 0, 2048), (64, 0, 2048 + 64), (0, 1, 256 + 8), (0, 8, 8 * (1024 + 8))}
     assert all(s.step_ms > 0 for s in samples)
-    assert [s.prefix_chunks for s in samples if s.kv_tokens_read == 2048 + 64] == [1, 1]  # only that shape attends to a prefix
-    assert sum(s.prefix_chunks for s in samples) == 2
+    assert [s.prefix_chunks for s in samples] == [0, 0, 1, 0, 0]  # only the shape after a cached prefix attends to one
     assert by_shape[(2048, 0, 2048)] > by_shape[(64, 0, 64)], by_shape  # 32x the tokens is never faster on one engine
     # the cached prefix is really reused: its 64 new tokens cost far less than computing all 2112
     assert by_shape[(64, 0, 2048 + 64)] < by_shape[(2048, 0, 2048)] / 2, by_shape
