@@ -88,7 +88,7 @@ def sim(
     compare: list[Mode] = typer.Option([], help="Also simulate these modes on the same workload (repeatable)"),
     perf: Path | None = typer.Option(None, help="Fitted perf model JSON (app/sim/perf.py `load_perf`): one for every role, or one per role"),
     warmup: float = typer.Option(0.1, help="Share of the run's start left out of the figures (caches fill)"),
-    search: bool = typer.Option(False, help="Also search the highest RPS meeting the SLO (bisection)"),
+    search: bool = typer.Option(False, help="Also search the highest RPS meeting the SLO on a 3% grid of loads, confirmed below its answer"),
     sweep_hit: bool = typer.Option(False, "--sweep-hit", help="Also sweep the hit rate and plot the benefit (bathtub)"),
     baseline: Mode = typer.Option(Mode.pd_cross_dc_naive, help="Baseline mode of the hit-rate sweep"),
     out: Path = typer.Option(Path("bench/out"), help="Folder for plots"),

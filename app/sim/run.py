@@ -68,51 +68,88 @@ class SearchResult:
     """(rps, SLO attainment, met) for every run, in order."""
 
 
-def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Request]], *, lo: float = 0.5,
-                   rel_tol: float = 0.03, max_runs: int = 20, perf: PerfArg = None, seed: int = 0,
-                   warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None) -> SearchResult:
-    """Bisection for the highest RPS whose run meets the config's SLO.
+def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor: int, max_runs: int,
+                confirm: int) -> int | None:
+    """Step k of the highest load meeting the SLO on a geometric grid of loads, or None.
 
-    Doubles from `lo` until a run fails (or halves until one meets it, down to
-    lo / 64), then bisects (geometrically) until the bracket is within
-    `rel_tol`. Every probe replays the same sessions (same seed), only faster
-    or slower, so noise between probes stays small.
+    Doubles (`double` steps) from `start` until a load fails, or halves until one
+    meets the SLO (down to `floor`), then bisects. Near its knee a run's SLO
+    attainment is not monotone in the load (which sessions overlap shifts with
+    the pace), so bisection alone lands on whichever passing island its probes
+    hit first. The answer is the highest load meeting the SLO with every lower
+    load probed meeting it too, and the `confirm` loads just below it probed:
+    an answer no longer depends on where the search started unless an island
+    of `confirm` + 1 passing loads lies above a failing one.
     """
-    out = SearchResult(0.0, None)
+    seen: dict[int, bool] = {}
 
-    def probe(rps: float) -> bool:
-        s = simulate(config, workload_at(rps), perf, seed).summary(warmup)
-        ok = s.meets(config.slo)
-        out.probes.append((rps, s.slo_attainment, ok))
-        if on_probe is not None:
-            on_probe(rps, s)
-        if ok and rps > out.rps:
-            out.rps, out.summary = rps, s
-        return ok
+    def ok(k: int) -> bool:
+        if k not in seen:
+            seen[k] = meets(k)
+        return seen[k]
 
-    if probe(lo):
-        good, bad = lo, None
-    else:
-        good, bad = None, lo
-        while good is None and bad / 2 >= lo / 64 and len(out.probes) < max_runs:
-            if probe(bad / 2):
-                good = bad / 2
-            else:
-                bad /= 2
-        if good is None:
-            return out
-    while bad is None and len(out.probes) < max_runs:
-        nxt = good * 2
-        if probe(nxt):
-            good = nxt
+    def room() -> bool:
+        return len(seen) < max_runs
+
+    good: int | None = start if ok(start) else None
+    bad: int | None = None if good is not None else start
+    while good is None and bad - double >= floor and room():
+        if ok(bad - double):
+            good = bad - double
         else:
-            bad = nxt
-    while bad is not None and bad / good > 1 + rel_tol and len(out.probes) < max_runs:
-        mid = math.sqrt(good * bad)
-        if probe(mid):
+            bad -= double
+    if good is None:
+        return None
+    while bad is None and room():
+        if ok(good + double):
+            good += double
+        else:
+            bad = good + double
+    while bad is not None and bad - good > 1 and room():
+        mid = (good + bad) // 2
+        if ok(mid):
             good = mid
         else:
             bad = mid
+    # walk down until `confirm` loads in a row below the latest answer met the SLO
+    k, streak = good - 1, 0
+    while streak < confirm and k >= floor and room():
+        streak = streak + 1 if ok(k) else -1
+        k -= 1
+    lowest_failure = min((k for k, met in seen.items() if not met), default=math.inf)
+    return max((k for k, met in seen.items() if met and k < lowest_failure), default=None)
+
+
+def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Request]], *, lo: float = 0.5,
+                   rel_tol: float = 0.03, max_runs: int = 24, confirm: int = 2, perf: PerfArg = None, seed: int = 0,
+                   warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None) -> SearchResult:
+    """The highest RPS whose run meets the config's SLO (`grid_search`).
+
+    Loads lie on the grid (1 + rel_tol)^k RPS, the same for every search, so
+    searches from different starts that probe a load share its run. The search
+    starts at the grid load at or below `lo` and goes down to lo / 64. Every
+    probe replays the same sessions (same seed), only faster or slower, so
+    noise between probes stays small.
+    """
+    step = math.log1p(rel_tol)
+    out = SearchResult(0.0, None)
+    summaries: dict[int, Summary] = {}
+
+    def meets(k: int) -> bool:
+        rps = math.exp(k * step)
+        s = simulate(config, workload_at(rps), perf, seed).summary(warmup)
+        ok = s.meets(config.slo)
+        summaries[k] = s
+        out.probes.append((rps, s.slo_attainment, ok))
+        if on_probe is not None:
+            on_probe(rps, s)
+        return ok
+
+    start = math.floor(math.log(lo) / step + 1e-9)
+    found = grid_search(meets, start, double=max(1, round(math.log(2) / step)), floor=start - math.ceil(math.log(64) / step),
+                        max_runs=max_runs, confirm=confirm)
+    if found is not None:
+        out.rps, out.summary = math.exp(found * step), summaries[found]
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 from app.config import Mode
 from app.sim import AgenticWorkload, Request, goodput_search, read_trace, simulate, write_trace
 from app.sim.cluster import cost_per_hour, derive
-from app.sim.run import TimedTraffic, agentic_at
+from app.sim.run import TimedTraffic, agentic_at, grid_search
 from app.sim.workload import check_window, fitted_to_window, fixed_hit, hit_rate
 from tests.unit.test_sim_twin import tiny_args, tiny_config
 
@@ -187,8 +188,37 @@ def test_goodput_search_brackets_the_answer():
     config = tiny_config("pdd", slo={"ttft_ms": 300, "tpot_ms": 100, "max_gap_ms": 2000})
     found = _search(config)
     assert found.rps > 0 and found.summary is not None and found.summary.meets(config.slo)
-    failed_above = [r for r, _, ok in found.probes if not ok and r > found.rps]
-    assert failed_above and min(failed_above) / found.rps <= 1.1 + 1e-9
+    met = {round(math.log(r) / math.log(1.1)): ok for r, _, ok in found.probes}
+    k = round(math.log(found.rps) / math.log(1.1))
+    assert found.rps == pytest.approx(1.1 ** k)
+    # the next grid load failed, the two below met the SLO, and no lower load failed
+    assert met[k + 1] is False and met[k - 1] and met[k - 2]
+    assert all(ok for j, ok in met.items() if j < k)
+
+
+def test_grid_search_answer_does_not_depend_on_where_it_starts():
+    # near a knee attainment is not monotone in the load: islands that meet the SLO above loads that miss it
+    passing_islands = {43, 45, 46, 50}
+    calls: list[int] = []
+
+    def meets(k: int) -> bool:
+        calls.append(k)
+        return k < 40 or k in passing_islands
+
+    answers = set()
+    for start in range(5, 47):
+        calls.clear()
+        answers.add(grid_search(meets, start, double=8, floor=start - 48, max_runs=30, confirm=2))
+        assert len(calls) == len(set(calls))  # each load runs once per search
+    assert answers == {39}
+    # with no confirmation, bisection stops on whichever island it reaches first
+    plain = {grid_search(meets, start, double=8, floor=start - 48, max_runs=30, confirm=0) for start in range(5, 47)}
+    assert len(plain) > 1
+
+
+def test_grid_search_halves_down_and_gives_up_at_its_floor():
+    assert grid_search(lambda k: k <= -10, 0, double=4, floor=-24, max_runs=30, confirm=2) == -10
+    assert grid_search(lambda k: False, 0, double=4, floor=-24, max_runs=30, confirm=2) is None
 
 
 def test_goodput_search_is_monotone_in_slo_and_capacity():
