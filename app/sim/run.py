@@ -131,6 +131,9 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
     probe replays the same sessions (same seed), only faster or slower, so
     noise between probes stays small.
     """
+    for name, value in (("lo", lo), ("rel_tol", rel_tol)):
+        if not value > 0:
+            raise ValueError(f"goodput_search: {name} must be > 0, got {value}")
     step = math.log1p(rel_tol)
     out = SearchResult(0.0, None)
     summaries: dict[int, Summary] = {}

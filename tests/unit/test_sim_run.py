@@ -216,6 +216,13 @@ def test_grid_search_answer_does_not_depend_on_where_it_starts():
     assert len(plain) > 1
 
 
+def test_goodput_search_refuses_a_start_or_step_that_is_not_positive():
+    config = tiny_config("pdd")
+    for bad in ({"lo": 0.0}, {"rel_tol": -0.1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            goodput_search(config, agentic_at(SMALL), **bad)
+
+
 def test_grid_search_halves_down_and_gives_up_at_its_floor():
     assert grid_search(lambda k: k <= -10, 0, double=4, floor=-24, max_runs=30, confirm=2) == -10
     assert grid_search(lambda k: False, 0, double=4, floor=-24, max_runs=30, confirm=2) is None
