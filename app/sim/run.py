@@ -126,7 +126,8 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
     """The highest RPS whose run meets the config's SLO (`grid_search`).
 
     Loads lie on the grid (1 + rel_tol)^k RPS, the same for every search, so
-    searches from different starts that probe a load share its run. The search
+    searches from different starts probe the same loads and get the same runs
+    there (the twin is deterministic for a seed). The search
     starts at the grid load at or below `lo` and goes down to lo / 64. Every
     probe replays the same sessions (same seed), only faster or slower, so
     noise between probes stays small.
