@@ -28,10 +28,13 @@ counts the ticks up to the last change.
 
 Sweep (the reference). Fleets: every P:RLD:MD within the budget and the role
 bounds that cannot afford one more replica of any role. Stage 1 screens every
-fleet x WAN threshold at the offered load, stage 2 the best two points x
-handoff mode x relay cap; the `--finalists` best screened configurations (SLO
-attainment, then SLO score) get a goodput search. The agents' other knobs
-(catch-up threshold, min hit rate, singular filter) stay at the config's values.
+fleet x WAN threshold at the offered load; fleets rank by their best point (SLO
+attainment, then SLO score). Stage 2 screens the `--finalists` best fleets'
+best points x handoff mode x relay cap, and each of those fleets' best screened
+configuration gets a goodput search. One finalist per fleet: below the knee,
+one fleet's knob variants all meet the SLO and would otherwise fill the finals,
+leaving out a fleet with more peak headroom. The agents' other knobs (catch-up
+threshold, min hit rate, singular filter) stay at the config's values.
 
 SLA goodput (the paper's): the highest offered RPS whose run meets the SLO at
 its percentile (app.sim.run.goodput_search, the same sessions replayed faster
@@ -293,7 +296,7 @@ class Screened:
 
 
 def sweep(twin: Twin, budget: float, a: argparse.Namespace) -> list[Point]:
-    """The finalists: the best screened configurations, best first."""
+    """The finalists: the best screened configuration of each of the `--finalists` best fleets, best first."""
     config = twin.setup.config
     base = config.live_knobs()
 
@@ -302,22 +305,27 @@ def sweep(twin: Twin, budget: float, a: argparse.Namespace) -> list[Point]:
         snap = snapshot_from_run(run, config, 0.0, window_s=twin.setup.window_s, end_s=twin.setup.span_s)
         return Screened(point, twin.summary(point, a.seed).slo_attainment, slo_score(slo_figures(snap, config.slo)) or float("inf"))
 
+    def best_by_fleet(screened: list[Screened]) -> dict[tuple[int, int, int], Screened]:
+        best: dict[tuple[int, int, int], Screened] = {}
+        for s in sorted(screened, key=lambda s: s.rank):
+            best.setdefault(s.point.replicas, s)
+        return best
+
     stage1 = [screen(Point(n, with_knobs(base, {THRESHOLD: thr}))) for n in fleets(config, budget) for thr in a.thresholds]
-    stage1.sort(key=lambda s: s.rank)
+    leaders = list(best_by_fleet(stage1).values())[: a.finalists]
     stage2 = [
         screen(Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap})))
-        for s in stage1[:2] for mode in a.modes for cap in a.caps
+        for s in leaders for mode in a.modes for cap in a.caps
     ]
-    ranked: dict[str, Screened] = {}
-    for s in sorted(stage1 + stage2, key=lambda s: s.rank):
-        ranked.setdefault(s.point.key(), s)
-    t = Table(title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS (best 8)")
+    finalists = [s for s in best_by_fleet(stage1 + stage2).values() if s.point.replicas in {l.point.replicas for l in leaders}]
+    t = Table(title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS; "
+                    f"finalists: the best point of each of the {len(finalists)} best fleets")
     for col in ("configuration", "$/h", "in SLO", "SLO score"):
         t.add_column(col, justify="right")
-    for s in list(ranked.values())[:8]:
+    for s in finalists:
         t.add_row(s.point.describe(), f"{fleet_cost(config, s.point.fleet):g}", f"{s.attainment:.1%}", f"{s.score:.2f}")
     console.print(t)
-    return [s.point for s in list(ranked.values())[: a.finalists]]
+    return [s.point for s in finalists]
 
 
 # ---- the report --------------------------------------------------------------------------
@@ -359,7 +367,7 @@ def main() -> None:
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0, 25, 50, 100, 200, 300, 1000, 5000])
     ap.add_argument("--modes", nargs="+", default=["one_shot", "catch_up", "auto"])
     ap.add_argument("--caps", type=int, nargs="+", default=[128, 512, 2048])
-    ap.add_argument("--finalists", type=int, default=5, help="screened configurations that get a goodput search")
+    ap.add_argument("--finalists", type=int, default=5, help="fleets whose best screened configuration gets a goodput search")
     ap.add_argument("--rel-tol", type=float, default=0.02, help="goodput search precision")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
