@@ -317,7 +317,8 @@ def sweep(twin: Twin, budget: float, a: argparse.Namespace) -> list[Point]:
         screen(Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap})))
         for s in leaders for mode in a.modes for cap in a.caps
     ]
-    finalists = [s for s in best_by_fleet(stage1 + stage2).values() if s.point.replicas in {l.point.replicas for l in leaders}]
+    leading_fleets = {s.point.replicas for s in leaders}
+    finalists = [s for s in best_by_fleet(stage1 + stage2).values() if s.point.replicas in leading_fleets]
     t = Table(title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS; "
                     f"finalists: the best point of each of the {len(finalists)} best fleets")
     for col in ("configuration", "$/h", "in SLO", "SLO score"):
@@ -371,6 +372,8 @@ def main() -> None:
     ap.add_argument("--rel-tol", type=float, default=0.02, help="goodput search precision")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
+    if a.finalists < 1:
+        ap.error("--finalists: at least one fleet must get a goodput search")
     t0 = time.perf_counter()
 
     base = load_config(a.config)
