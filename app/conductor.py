@@ -265,13 +265,12 @@ class Conductor:
 
     # ---- building blocks (also used by app/relay.py) -----------------------------
 
-    async def route(self, role: RoleName, keys: list[int], journey: Journey, *, prefills: bool) -> tuple[ReplicaInfo, int]:
-        """The replica of `role` expected to hold the longest prefix (unless overloaded);
-        `prefills`: it computes the prompt, not only decodes."""
+    async def route(self, role: RoleName, keys: list[int], journey: Journey) -> tuple[ReplicaInfo, int]:
+        """The replica of `role` expected to hold the longest prefix (unless its batch is full)."""
         infos = {i.replica_id: i for i in await self.engines.replicas(role)}
         if not infos:
             raise NoReplicaError(f"no live {role.value} replica")
-        room = affinity_room(self.config.roles.get(role).engine, prefills)
+        room = affinity_room(self.config.roles.get(role).engine)
         choice = self.index.choose({rid: i.num_kv_blocks for rid, i in infos.items()}, keys, self.engines.load, room)
         journey.replicas[role.value] = choice.replica_id
         replica = infos[choice.replica_id]
@@ -347,7 +346,7 @@ class Conductor:
         `consumers` pulls. A failed P replica is left for another one."""
         for attempt in range(len(await self.engines.replicas(RoleName.prefill)) or 1):
             try:
-                replica, _ = await self.route(RoleName.prefill, keys, journey, prefills=True)
+                replica, _ = await self.route(RoleName.prefill, keys, journey)
             except NoReplicaError as exc:
                 raise PrefillUnavailable(str(exc)) from exc
             request = EngineRequest(
@@ -441,7 +440,7 @@ class Conductor:
         """One engine computes the prompt and every token."""
         journey.pipeline = journey.pipeline or Pipeline.colocated.value
         keys = self.index.keys(req.prompt_token_ids)
-        replica, _ = await self.route(role, keys, journey, prefills=True)
+        replica, _ = await self.route(role, keys, journey)
         request = EngineRequest(req.request_id, req.prompt_token_ids, req.sampling)
         output: list[int] = []
         async for served_by, delta in self.follow(role, replica, request, req, journey, []):
@@ -468,7 +467,7 @@ class Conductor:
             return
         if first_token_from_prefill:
             yield Tokens(first.token_ids, RoleName.prefill)
-        replica, _ = await self.route(decode_role, keys, journey, prefills=False)
+        replica, _ = await self.route(decode_role, keys, journey)
         naive = not first_token_from_prefill
         if naive:  # salted: the decoder's cache will not hold this prompt
             self.unroute(replica, keys)

@@ -12,8 +12,8 @@ Rules (../shared/PDD.md):
   because requests ending at RLD leave MD's cache behind P's and overload RLD.
 - A saturated RLD is not given more relays: the request goes P-MD and pays the
   transfer rather than queueing behind other relays.
-- A conversation stays on the decoder holding its context until that decoder's
-  batch is full (`affinity_room`).
+- A conversation stays on the replicas holding its context until their batch is
+  full (`affinity_room`).
 """
 
 from __future__ import annotations
@@ -104,15 +104,18 @@ class LinkBacklog:
         self._bytes += nbytes
 
 
-def affinity_room(engine: EngineConfig, prefills: bool) -> int:
+def affinity_room(engine: EngineConfig) -> int:
     """Requests a replica runs before routing moves its conversations to a less busy one
-    (`PrefixIndex.choose`'s `room`).
+    (`PrefixIndex.choose`'s `room`): its batch, full.
 
-    0 for a replica that prefills: each request ahead of a prompt delays its first token,
-    so the index's `imbalance_limit` alone decides. One that only decodes keeps them until its
-    batch is full: one more sequence barely slows its steps, while a move costs the
-    conversation's whole context, over the WAN for a main decoder."""
-    return 0 if prefills else engine.max_num_seqs
+    A move costs the conversation's whole cached context: pulled again by a decoder (over the
+    WAN for a main decoder), computed again by a replica that prefills. For an agentic turn that
+    is tens of thousands of tokens against a few hundred new ones, far more than waiting behind a
+    few requests. Giving conversations up at `imbalance_limit` requests above the idlest turned a
+    cold start into a lasting overload in the twin: the moved turns missed their caches, queues
+    grew, more turns moved (intra-DC PD at paper_table's scale and 100.6 RPS stayed overloaded
+    for 18 minutes, 3 with this room)."""
+    return engine.max_num_seqs
 
 
 def blocks_missing(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:

@@ -66,7 +66,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
 
     keys = c.index.keys(req.prompt_token_ids)
     try:
-        md, md_cached = await c.route(RoleName.main_decode, keys, journey, prefills=False)
+        md, md_cached = await c.route(RoleName.main_decode, keys, journey)
     except NoReplicaError:  # datacenter B is down: datacenter A serves alone
         md, md_cached = None, 0
     # a previous turn's warm-up still pulling into this MD: count its blocks, wait for it

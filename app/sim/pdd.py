@@ -55,7 +55,7 @@ class PDDPipelines:
         req = job.req
         md, md_cached = None, 0
         if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
-            md, md_cached = self._route(RoleName.main_decode, job.keys, prefills=False)
+            md, md_cached = self._route(RoleName.main_decode, job.keys)
             # a previous turn's MD work still running there: count its blocks, wait for it
             job.after, covered = self.pending.covering(md.name, job.keys)
             md_cached = max(md_cached, covered * self.block)

@@ -102,7 +102,7 @@ class Twin(PDDPipelines):
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
         self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls, config.kv.pull_order) for name in self.replicas}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
-        self.rooms = {(role, prefills): affinity_room(config.roles.get(role).engine, prefills) for role in pools for prefills in (True, False)}
+        self.rooms = {role: affinity_room(config.roles.get(role).engine) for role in pools}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
         replicas = self.replicas
         self._load: Callable[[str], int] = lambda rid: replicas[rid].streams
@@ -183,9 +183,9 @@ class Twin(PDDPipelines):
 
     # ---- the conductor's index (Conductor.route / unroute / remember) ------------------
 
-    def _route(self, role: RoleName, keys: KeyChain, prefills: bool) -> tuple[Instance, int]:
+    def _route(self, role: RoleName, keys: KeyChain) -> tuple[Instance, int]:
         index = self.index
-        choice = index.choose(self.candidates[role], keys, self._load, self.rooms[role, prefills])
+        choice = index.choose(self.candidates[role], keys, self._load, self.rooms[role])
         inst = self.replicas[choice.replica_id]
         # the next turn may arrive before this one ends: it should come here too
         index.route(inst.name, keys, inst.kv_blocks)
@@ -247,7 +247,7 @@ class Twin(PDDPipelines):
     def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None:
         """Conductor.prefill: route P by prefix, P computes the prompt and its first token."""
         req = job.req
-        p, _ = self._route(RoleName.prefill, job.keys, prefills=True)
+        p, _ = self._route(RoleName.prefill, job.keys)
         job.p = p
         p.streams += 1
         job.pl = p.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
@@ -312,7 +312,7 @@ class Twin(PDDPipelines):
     def _colocated(self, job: Job) -> None:
         job.pipe = Pipeline.colocated
         req = job.req
-        d, _ = self._route(RoleName.main_decode, job.keys, prefills=True)
+        d, _ = self._route(RoleName.main_decode, job.keys)
         self._open_decoder(job, d, req.prefix_tokens)
         job.pl = job.dl  # one engine: one lease
         self._prefill(job, d, req.prompt_tokens + req.output_tokens, self._colocated_first)
@@ -341,7 +341,7 @@ class Twin(PDDPipelines):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
             self._finish(job)
             return
-        d, _ = self._route(RoleName.relay_decode, job.keys, prefills=False)
+        d, _ = self._route(RoleName.relay_decode, job.keys)
         self._open_decoder(job, d, req.prefix_tokens)
         job.pulls = 1
         self._send(self.intra, d, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
@@ -363,7 +363,7 @@ class Twin(PDDPipelines):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
             self._finish(job)
             return
-        d, _ = self._route(RoleName.main_decode, job.keys, prefills=False)
+        d, _ = self._route(RoleName.main_decode, job.keys)
         self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
         self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
         job.pulls = 1

@@ -189,8 +189,8 @@ def test_replica_choices_equal_prefix_index_choose_on_the_same_inputs(mode):
 
 
 @pytest.mark.parametrize("mode", ["pdd", "pd_intra_dc", "colocated", "pd_cross_dc_naive"])
-def test_replicas_that_prefill_get_no_room_and_decoders_their_batch(mode):
-    """policy.affinity_room at each of the twin's routing calls, as at the conductor's."""
+def test_every_replica_keeps_its_conversations_until_its_batch_is_full(mode):
+    """policy.affinity_room at each of the twin's routing calls, as at the conductor's: the role's max_num_seqs."""
     config = tiny_config(mode)
     twin = app.sim.twin.Twin(config)
     log = _logging(twin)
@@ -199,9 +199,8 @@ def test_replicas_that_prefill_get_no_room_and_decoders_their_batch(mode):
     for e in log:
         if e[0] == "choose":
             rooms.setdefault(e[5].replica_id.rsplit("-", 1)[0], set()).add(e[4])
-    decoders = {role.value: config.roles.get(role).engine.max_num_seqs for role in (RoleName.relay_decode, RoleName.main_decode) if config.roles.get(role)}
-    expected = {role: {0} if role == "prefill" or mode == "colocated" else {decoders[role]} for role in rooms}
-    assert rooms == expected and (mode == "colocated" or "prefill" in rooms)
+    batches = {role: {config.roles.get(RoleName(role)).engine.max_num_seqs} for role in rooms}
+    assert rooms == batches and (mode == "colocated" or "prefill" in rooms)
 
 
 def test_twin_uses_prefix_index_itself():
