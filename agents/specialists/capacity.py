@@ -21,7 +21,10 @@ more replica of every role that may grow (+1 within the ceiling, else each
 move that funds it) and takes the cheapest plan predicted to meet the SLO (the
 best predicted one when none does; a move only when the twin predicts it
 better than standing still); a scale-down happens only when the twin predicts
-the SLO still holds with margin. Roles whose replicas are crashing are left
+the SLO still holds with margin. A twin that predicts the current fleet meets
+the SLO while the cluster breaches it does not reproduce the situation (sessions
+held back by a breach send fewer requests, so the measured rate understates
+demand) and cannot rank plans against it: the rule decides. Roles whose replicas are crashing are left
 alone: their healthy count says nothing about load.
 """
 
@@ -124,7 +127,8 @@ def _describe(plan: Plan) -> str:
 
 
 def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
-    """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still."""
+    """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still.
+    None (the rule decides) when the twin fails, or predicts the SLO met where the cluster breaches it."""
     plans = [plan for role in view.config.roles.present() for plan in _grow(view, role, frozen)]
     if not plans:
         return None
@@ -133,13 +137,16 @@ def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
         return predict(view.what_if, view.config, fleet, view.knobs, view.snap.request_rate).score(view.config)
 
     try:
+        still = score(dict(view.replicas))
+        observed = f.slo_score(f.slo_figures(view.snap, view.config.slo))
+        if observed is not None and observed > 1.0 and still <= 1.0:
+            return None
         scored = [(score(_fleet(view, plan)), _plan_cost(view, plan), plan) for plan in plans]
         meeting = [x for x in scored if x[0] <= 1.0]
         best, cost, plan = min(meeting, key=lambda x: (x[1], x[0])) if meeting else min(scored, key=lambda x: (x[0], x[1]))
-        still = score(dict(view.replicas)) if len(plan) > 1 else None
     except Exception:  # a twin failure must not stop the rule-based answer
         return None
-    if still is not None and best >= still:
+    if len(plan) > 1 and best >= still:
         return (), f"twin predicts no replica move within the ${view.agents.max_cost_per_hour:g}/h ceiling beats SLO score {still:.2f}"
     return plan, f"twin predicts SLO score {best:.2f} after {_describe(plan)} (${cost:+g}/h)"
 

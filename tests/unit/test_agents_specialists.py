@@ -167,7 +167,18 @@ def test_capacity_uses_the_twin_what_if_and_prefers_cheap_plans():
     [p] = [p for p in propose_all(healthy_snapshot(**CASES["tpot_slo_breach"]), what_if=what_if) if p.specialist == "capacity"]
     assert p.change.target == "replicas.relay_decode"
     assert "twin predicts" in p.reason
-    assert len(asked) == 3
+    assert asked[0] == REPLICAS and len(asked) == 4  # the fleet as it is, then +1 of each role
+
+
+def test_a_twin_that_misses_the_breach_leaves_the_plan_to_the_rule():
+    # closed-loop sessions held back by a TTFT breach send fewer requests: at the measured
+    # rate the twin sees every fleet meet the SLO and would keep the one that breaches
+    def blind(config, replicas, knobs, load_rps):
+        return {"ttft_ms": 500, "tpot_ms": 20, "gap_ms": 100}
+
+    [p] = [p for p in propose_all(healthy_snapshot(**CASES["ttft_slo_breach"]), what_if=blind) if p.specialist == "capacity"]
+    assert p.change.target == "replicas.prefill"
+    assert "twin" not in p.reason
 
 
 def test_capacity_scale_down_needs_the_twin_to_agree():
