@@ -33,7 +33,13 @@ Setup.
   conversation's context crosses the WAN once: at 65 RPS that saturated the
   WAN for ~3 minutes. Runs of a fixed number of requests with a fixed warm-up
   share measured part of that, the more the higher the load: PDD's figures grew
-  with run length, intra-DC's less (its prefill caches start cold too).
+  with run length, intra-DC's less (its prefill caches start cold too). Near a
+  fleet's peak a cold start also queues turns that their sessions send late, in
+  a burst, and a load meets the SLO only once the fleet has worked them off:
+  the search finds the highest load a cold fleet settles at within the
+  warm-up, below what a warm one sustains (seed 0, 1800 s of warm-up: intra-DC
+  H100's 21 P + 4 D 192.8 RPS instead of 147.7; PDD's 18 P, 1 RLD, 9 MD 94.8
+  instead of 74.9).
 Figures are medians over seeds.
 
     python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--json out.json]
