@@ -478,6 +478,7 @@ def explain(med: dict, chosen: dict, checks: list[dict], notes: dict) -> None:
         f"with V4-Pro's 837 GB of weights and 2 KB read per context token, a decode step is a weight read, shared by hundreds of sequences, "
         f"and ~550-token outputs need few decode replicas. What H200 saves there is bounded by that share.",
         prefill_line(med, chosen, notes),
+        wan_line(med, chosen),
     ]
     for c in checks:
         if not c["match"] and c["paper_baseline"]:
@@ -495,6 +496,14 @@ def prefill_line(med: dict, chosen: dict, notes: dict) -> str:
             f"({p['intra-DC H100']} P): their RPS ratio is {p['PDD'] / p['intra-DC H100']:.3f} x {per['PDD'] / per['intra-DC H100']:.3f}. "
             f"PDD's relay and main decoders take {notes['relay_share_of_cost'] + share['PDD']:.0%} of its cost, intra-DC's decoders "
             f"{share['intra-DC H100']:.0%}: PDD gets more prefill per dollar only where its decoders cost less than the baseline's.")
+
+
+def wan_line(med: dict, chosen: dict) -> str:
+    """How full PDD's WAN is at its peak: every turn's context that its main decoder lacks crosses it."""
+    used = med["PDD"].get("wan_gbps_peak", float("nan"))
+    link = chosen["PDD"].link("dc-a", "dc-b").bandwidth_mbps / 1000
+    return (f"WAN: at its peak PDD moves {used:.1f} Gb/s over the {link:g} Gb/s link ({used / link:.0%}): what its main decoders lack "
+            f"crosses it; intra-DC PD moves nothing over it. Near a full WAN, PDD's turns wait for their context to arrive.")
 
 
 def fleet_of(c: PDDConfig, role: str) -> str:
