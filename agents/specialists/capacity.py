@@ -24,8 +24,9 @@ better than standing still); a scale-down happens only when the twin predicts
 the SLO still holds with margin. A twin that predicts the current fleet meets
 the SLO while the cluster breaches it does not reproduce the situation (sessions
 held back by a breach send fewer requests, so the measured rate understates
-demand) and cannot rank plans against it: the rule decides. Roles whose replicas are crashing are left
-alone: their healthy count says nothing about load.
+demand) and cannot rank plans against it: the rule decides. Roles whose
+replicas are crashing are left alone: their healthy count says nothing about
+load.
 """
 
 from __future__ import annotations
