@@ -276,20 +276,22 @@ class TwinWhatIf:
     `workload_at(rps)` gives the traffic to replay at a load; answers are the
     SLO-percentile figures `snapshot_from_run` reports over the window
     (`window_s` seconds up to `end_s`). Runs are deterministic, so each
-    question is simulated once.
+    question is simulated once. `warm_start` as in `app.sim.simulate`.
     """
 
-    def __init__(self, workload_at: Callable[[float], Iterable[Request]], *, window_s: float, end_s: float | None = None, seed: int = 0):
+    def __init__(self, workload_at: Callable[[float], Iterable[Request]], *, window_s: float, end_s: float | None = None, seed: int = 0,
+                 warm_start: bool = False):
         self.workload_at = workload_at
         self.window_s = window_s
         self.end_s = end_s
         self.seed = seed
+        self.warm_start = warm_start
         self.answers: dict[str, dict[str, float]] = {}
 
     def __call__(self, config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_rps: float) -> dict[str, float]:
         key = json.dumps([sorted(replicas.items()), knobs.model_dump(mode="json"), round(load_rps, 3)], sort_keys=True)
         if key not in self.answers:
-            run = simulate(fleet_config(config, replicas, knobs), self.workload_at(load_rps), seed=self.seed)
+            run = simulate(fleet_config(config, replicas, knobs), self.workload_at(load_rps), seed=self.seed, warm_start=self.warm_start)
             snap = snapshot_from_run(run, config, 0.0, window_s=self.window_s, end_s=self.end_s)
             self.answers[key] = {
                 "ttft_ms": (snap.ttft_p or 0.0) * 1000,

@@ -14,17 +14,18 @@ replicas, one relay replica more, main decode filling the rest of the budget
 (prefill starved, decode over-provisioned); the WAN threshold at its upper
 bound (every request on P-MD) and forced catch-up handoff at the lowest
 catch-up threshold. Each tick simulates the offered traffic with the current
-knobs and replicas (`--warmup-s` of warm-up, for the cold caches' transient,
-then the agents' evaluation window `slo.window_s`), turns the window into the
-agents' Snapshot (agents/twin.py `snapshot_from_run`: the figures the real
-Prometheus queries give) and runs the real tick graph once (TwinAgent, act
-mode: diagnose, specialists, guard, cooldowns, verify and rollback), with the
-capacity specialist's what-ifs answered by the twin on other traffic of the
-same kind (another seed; `--no-what-if` for the rule-based path). Simulated
-time advances `agents.tick_s` per tick. The same knobs and replicas replay the
-same traffic, so a tick that changes nothing reuses its run. Converged: no
-change (rollbacks included) for `--stable` ticks in a row; ticks to converge
-counts the ticks up to the last change.
+knobs and replicas from a warm start (app/sim/twin.py; `--cold-start` for cold
+caches), `--warmup-s` of warm-up, then the agents' evaluation window
+`slo.window_s`, turns the window into the agents' Snapshot (agents/twin.py
+`snapshot_from_run`: the figures the real Prometheus queries give) and runs
+the real tick graph once (TwinAgent, act mode: diagnose, specialists, guard,
+cooldowns, verify and rollback), with the capacity specialist's what-ifs
+answered by the twin on other traffic of the same kind (another seed;
+`--no-what-if` for the rule-based path). Simulated time advances
+`agents.tick_s` per tick. The same knobs and replicas replay the same traffic,
+so a tick that changes nothing reuses its run. Converged: no change (rollbacks
+included) for `--stable` ticks in a row; ticks to converge counts the ticks up
+to the last change.
 
 Sweep (the reference). Fleets: every P:RLD:MD within the budget and the role
 bounds that cannot afford one more replica of any role. Stage 1 screens every
@@ -72,10 +73,10 @@ from agents.knobs import with_knobs
 from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
 from app.config import LiveKnobs, PDDConfig, RoleName
 from app.config_file import load_config
-from app.sim import SimRun, Summary, goodput_search, simulate
+from app.sim import SimRun, Summary
 from app.sim.run import TimedTraffic
 from bench.common import ROOT, median, write_outputs
-from bench.paper_table import WORKLOAD
+from bench.paper_table import WARMUP_S, WORKLOAD
 
 console = Console(width=180)
 CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
@@ -135,7 +136,7 @@ class Twin:
         key = (point.key(), seed)
         if key not in self.runs:
             s = self.setup
-            self.runs[key] = simulate(fleet_config(s.config, point.fleet, point.knobs), s.traffic(seed)(s.rps), seed=seed)
+            self.runs[key] = s.run(fleet_config(s.config, point.fleet, point.knobs), s.rps, seed)
             self.sims += 1
         return self.runs[key]
 
@@ -147,8 +148,7 @@ class Twin:
         key = (point.key(), seed)
         if key not in self.searches:
             s = self.setup
-            found = goodput_search(fleet_config(s.config, point.fleet, point.knobs), s.traffic(seed), lo=SEARCH_FROM_RPS, rel_tol=rel_tol,
-                                   seed=seed, warmup=s.warmup_share)
+            found = s.search(fleet_config(s.config, point.fleet, point.knobs), seed, lo=SEARCH_FROM_RPS, rel_tol=rel_tol)
             self.sims += len(found.probes)
             self.searches[key] = found.rps
         return self.searches[key]
@@ -209,7 +209,8 @@ def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: i
     config = setup.config
     oracle = None
     if what_if:
-        oracle = TwinWhatIf(setup.traffic(seed + WHAT_IF_SEED), window_s=setup.window_s, end_s=setup.span_s, seed=seed + WHAT_IF_SEED)
+        oracle = TwinWhatIf(setup.traffic(seed + WHAT_IF_SEED), window_s=setup.window_s, end_s=setup.span_s, seed=seed + WHAT_IF_SEED,
+                            warm_start=setup.warm_start)
     agent = TwinAgent(config, what_if=oracle)
     out = AgentRun(seed)
     point, quiet = start, 0
@@ -357,7 +358,9 @@ def main() -> None:
     ap.add_argument("--load-share", type=float, default=0.9)
     ap.add_argument("--seeds", type=int, default=3, help="traffic seeds: the agents run once per seed; figures are medians")
     ap.add_argument("--seed", type=int, default=0, help="first traffic seed")
-    ap.add_argument("--warmup-s", type=float, default=450.0, help="simulated seconds before the window (cold caches settle)")
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="simulated seconds of traffic before the window")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)")
     ap.add_argument("--ticks", type=int, default=200, help="tick limit")
     ap.add_argument("--stable", type=int, default=20, help="ticks without a change that count as converged")
     ap.add_argument("--no-what-if", dest="what_if", action="store_false", help="capacity decides by rules, without the twin's what-if")
@@ -382,9 +385,9 @@ def main() -> None:
     config = base.model_copy(update={"agents": base.agents.model_copy(update={"max_cost_per_hour": budget})})
     seeds = list(range(a.seed, a.seed + a.seeds))
     window_s = config.slo.window_s
-    sizing = Twin(Setup(WORKLOAD, a.warmup_s, window_s, config, a.rps or 1.0))
+    sizing = Twin(Setup(WORKLOAD, a.warmup_s, window_s, config, a.rps or 1.0, warm_start=not a.cold_start))
     rps = a.rps if a.rps is not None else round(a.load_share * sizing.goodput(shipped, seeds[0], a.rel_tol), 2)
-    setup = Setup(WORKLOAD, a.warmup_s, window_s, config, rps)
+    setup = Setup(WORKLOAD, a.warmup_s, window_s, config, rps, warm_start=not a.cold_start)
     twin = Twin(setup)
     twin.searches.update(sizing.searches)  # searches do not depend on the offered load
     twin.sims += sizing.sims

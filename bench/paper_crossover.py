@@ -21,7 +21,7 @@ TTFT at each system's peak) and where the RPS and BCR ratios cross 1 and where
 decode reaches the paper's share of cost (log-linear between the points that
 bracket it); writes bench/out/paper_crossover.{csv,png}.
 
-    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--json out.json]
+    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--cold-start] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
 from bench.common import median, write_outputs
 from bench.paper_table import (CONFIG, PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
-                               decode_cost, fleet, search)
+                               decode_cost, fleet, timed_traffic)
 
 
 def scaled_outputs(w: AgenticWorkload, scale: float, answer_s_per_token: float) -> AgenticWorkload:
@@ -65,7 +65,7 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     figs: dict[str, dict[str, list[float]]] = {"pdd": {}, "intra": {}}
     for seed in range(seeds):
         for name, cfg, known in (("pdd", pdd_cfg, pdd_rps), ("intra", intra_cfg, intra_rps)):
-            found = search(cfg, t, seed, lo=max(1.0, 0.6 * known))
+            found = t.search(cfg, seed, lo=max(1.0, 0.6 * known))
             f = figs[name]
             f.setdefault("rps", []).append(found.rps)
             if found.summary is not None:
@@ -122,7 +122,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for k, scale in enumerate(scales, 1):
-        t = TimedTraffic(scaled_outputs(WORKLOAD, scale, answer_s), a.warmup_s, a.window_s)
+        t = timed_traffic(scaled_outputs(WORKLOAD, scale, answer_s), a)
         w = t.workload
         console.rule(f"[{k}/{len(scales)}] outputs x{scale:g}: median {w.output_median:,}, cap {w.output_max:,} "
                      f"({time.perf_counter() - t0:.0f} s so far)")

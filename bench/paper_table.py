@@ -28,21 +28,21 @@ Setup.
   paper's P90s sit at the ~10 s SLO, which is where a system is at its own
   peak). TTFT and WAN vs naive: both at the highest load naive sustains (the
   paper compares them at one load; PDD's peak is past naive's).
-- Runs: `--warmup-s` of traffic, then `--window-s` measured, at every load. A
-  PDD fleet starts with its main decoders' caches cold, so every live
-  conversation's context crosses the WAN once: at 65 RPS that saturated the
-  WAN for ~3 minutes. Runs of a fixed number of requests with a fixed warm-up
-  share measured part of that, the more the higher the load: PDD's figures grew
-  with run length, intra-DC's less (its prefill caches start cold too). Near a
-  fleet's peak a cold start also queues turns that their sessions send late, in
-  a burst, and a load meets the SLO only once the fleet has worked them off:
-  the search finds the highest load a cold fleet settles at within the
-  warm-up, below what a warm one sustains (seed 0, 1800 s of warm-up: intra-DC
-  H100's 21 P + 4 D 192.8 RPS instead of 147.7; PDD's 18 P, 1 RLD, 9 MD 94.8
-  instead of 74.9).
+- Runs: `--warmup-s` of traffic, then `--window-s` measured, at every load,
+  from a warm start (app/sim/twin.py): conversations under way when a run
+  starts find their contexts where routing puts them, as in a cluster that
+  had been serving them. From a cold start (`--cold-start`) every live
+  conversation's context is recomputed and, in PDD, crosses the WAN once
+  (minutes of a saturated WAN at this scale), and near a fleet's peak the
+  turns queued in the meantime come back in a burst: a search then
+  finds the highest load a cold fleet settles at within the warm-up, which
+  grows with it (seed 0: intra-DC H100's 21 P + 4 D 147.7 RPS after 450 s,
+  192.8 after 1800 s, 223.5 warm after 450 s or 120 s; PDD's 18 P, 1 RLD,
+  9 MD 74.9, 94.8 and 113.2 warm after 450 s, 116.6 after 120 s, where a
+  slowly growing WAN backlog had less time to show).
 Figures are medians over seeds.
 
-    python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--json out.json]
+    python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--cold-start] [--json out.json]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from rich.table import Table
 from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles
 from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
-from app.sim.run import SearchResult, TimedTraffic, goodput_search, simulate
+from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload, hit_rate
 from bench.common import ROOT, median, write_outputs
 
@@ -92,6 +92,9 @@ WORKLOAD = AgenticWorkload(
 
 H100, H200 = "h100-a", "h200-b"
 
+WARMUP_S = 450.0
+"""Simulated seconds of traffic before each run's measured window (queues and caches settle)."""
+
 
 def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
     w = t.workload
@@ -119,8 +122,8 @@ def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
          f"{base.handoff.mode.value}, relay cap one of {', '.join(str(c) for c in RELAY_CAPS)} tokens (best)", "config and policy defaults"),
         ("SLO", f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
          "paper's TTFT P90s near 10 s; DeepSeek's ~20 tokens/s per user; gap: assumption"),
-        ("runs", f"{t.warmup_s:g} s of traffic for the cold caches to settle, then {t.window_s:g} s measured, at every load",
-         "twin: PDD (19 P, 1 RLD, 7 MD) at 65 RPS starts with ~3 minutes of a saturated WAN; agents_tuning's warm-up"),
+        ("runs", f"{'cold' if not t.warm_start else 'warm'} start, {t.warmup_s:g} s of traffic, then {t.window_s:g} s measured, at every load",
+         "twin: warm, a cluster already serving the conversations under way; 450 s lets a slowly growing WAN backlog show"),
         ("workload", f"sessions of {w.turns_min}-{w.turns_max} turns; first prompt median "
          f"{w.first_prompt_median:,}, window {w.max_context_tokens:,}; output median {w.output_median}; think "
          f"{w.think_time_min_s:g}+exp({w.think_time_mean_s:g}) s", "PDD.md: 64K context, ~90% hit; TraceLab: ~523 output tokens per step"),
@@ -173,7 +176,7 @@ def best_split(name: str, counts: range, make, t: TimedTraffic) -> tuple[PDDConf
     def rps(p: int) -> float:
         if p not in seen:
             c = make(p)
-            seen[p] = search(c, t, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
+            seen[p] = t.search(c, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
             console.print(f"  split {name:15s} {fleet(c):48s} ${cost_per_hour(c):7.0f}/h: {seen[p]:6.2f} RPS in SLA")
         return seen[p]
 
@@ -195,7 +198,7 @@ def best_of(candidates: dict[str, PDDConfig], t: TimedTraffic, lo: float, incumb
     """The candidate sustaining the highest RPS in SLA (seed 0), `incumbent` (already searched) first; on a tie the first."""
     found = [incumbent] if incumbent else []
     for label, candidate in candidates.items():
-        found.append((candidate, search(candidate, t, 0, lo=max(lo, 1.0)).rps))
+        found.append((candidate, t.search(candidate, 0, lo=max(lo, 1.0)).rps))
         console.print(f"  {label}: {found[-1][1]:6.2f} RPS in SLA")
     return max(found, key=lambda x: x[1])
 
@@ -262,20 +265,18 @@ def gpus(c: PDDConfig) -> dict[str, int]:
 ROLE_SHORT = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}
 
 
-def search(c: PDDConfig, t: TimedTraffic, seed: int, lo: float = 4.0) -> SearchResult:
-    return goodput_search(c, t.traffic(seed), lo=lo, rel_tol=0.03, seed=seed, warmup=t.warmup_share)
-
-
-def at_load(c: PDDConfig, t: TimedTraffic, rps: float, seed: int):
-    return simulate(c, t.at(rps, seed), seed=seed).summary(t.warmup_share)
-
-
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:
-    """The run-length, fleet-scale and output options this bench shares with paper_crossover."""
-    ap.add_argument("--warmup-s", type=float, default=450.0, help="simulated seconds of traffic before the measured window (cold caches settle)")
+    """The run-length, fleet-scale and output options this bench shares with paper_crossover (`timed_traffic`)."""
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="simulated seconds of traffic before the measured window")
     ap.add_argument("--window-s", type=float, default=300.0, help="simulated seconds measured per run")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)")
     ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
     ap.add_argument("--json", dest="json_path")
+
+
+def timed_traffic(w: AgenticWorkload, a: argparse.Namespace) -> TimedTraffic:
+    return TimedTraffic(w, a.warmup_s, a.window_s, warm_start=not a.cold_start)
 
 
 def main() -> None:
@@ -285,7 +286,7 @@ def main() -> None:
     a = ap.parse_args()
 
     base = load_config(CONFIG)
-    t = TimedTraffic(WORKLOAD, a.warmup_s, a.window_s)
+    t = timed_traffic(WORKLOAD, a)
     ca, cb = base.node_groups[H100].cost_per_hour, base.node_groups[H200].cost_per_hour
     t0 = time.perf_counter()
 
@@ -321,7 +322,7 @@ def main() -> None:
         figs: dict[str, dict[str, float]] = {}
         for name in systems:
             c = chosen[name]
-            found = search(c, t, seed, lo=max(1.0, 0.6 * known[name]))
+            found = t.search(c, seed, lo=max(1.0, 0.6 * known[name]))
             figs[name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
             s = found.summary
             if s is not None:
@@ -329,11 +330,11 @@ def main() -> None:
                                   wan_gbps_peak=s.wan_gbps, tpot90=s.tpot_s[1], gap99=s.gap_s[2])
         common = min(figs[n]["rps"] for n in ("PDD", "intra-DC H100"))
         for name in ("PDD", "intra-DC H100"):
-            s = at_load(chosen[name], t, common, seed)
+            s = t.run(chosen[name], common, seed).summary(t.warmup_share)
             figs[name].update(common_ttft50=s.ttft_s[0], common_ttft90=s.ttft_s[1], common_ttft99=s.ttft_s[2], load_common=common)
         load_naive = figs["naive cross-DC"]["rps"]
         for name in ("PDD", "naive cross-DC"):
-            s = at_load(chosen[name], t, load_naive, seed)
+            s = t.run(chosen[name], load_naive, seed).summary(t.warmup_share)
             figs[name].update(naive_ttft50=s.ttft_s[0], naive_ttft90=s.ttft_s[1], naive_ttft99=s.ttft_s[2],
                               wan_gbps=s.wan_gbps, load_naive=load_naive)
         per_seed.append(figs)

@@ -68,13 +68,13 @@ def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: in
     return None, trace
 
 
-def _run(config: PDDConfig, workload: Workload, total: int, perf, seed: int, label: str) -> SimRun:
+def _run(config: PDDConfig, workload: Workload, total: int, perf, seed: int, label: str, warm_start: bool) -> SimRun:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task(label, total=total or None)
-        run = simulate(config, workload, perf, seed, progress=lambda n: bar.update(task, completed=n))
+        run = simulate(config, workload, perf, seed, progress=lambda n: bar.update(task, completed=n), warm_start=warm_start)
     return run
 
 
@@ -87,7 +87,9 @@ def sim(
     mode: Mode | None = typer.Option(None, help="Simulate this mode instead of the config's"),
     compare: list[Mode] = typer.Option([], help="Also simulate these modes on the same workload (repeatable)"),
     perf: Path | None = typer.Option(None, help="Fitted perf model JSON (app/sim/perf.py `load_perf`): one for every role, or one per role"),
-    warmup: float = typer.Option(0.1, help="Share of the run's start left out of the figures (caches fill)"),
+    warmup: float = typer.Option(0.1, help="Share of the run's start left out of the figures (queues and caches fill)"),
+    cold_start: bool = typer.Option(False, "--cold-start", help="Start with empty prefix caches (a fresh deployment) instead of holding "
+                                    "the contexts of conversations already under way (a cluster that has been serving them)"),
     search: bool = typer.Option(False, help="Also search the highest RPS meeting the SLO on a 3% grid of loads, confirmed below its answer"),
     sweep_hit: bool = typer.Option(False, "--sweep-hit", help="Also sweep the hit rate and plot the benefit (bathtub)"),
     baseline: Mode = typer.Option(Mode.pd_cross_dc_naive, help="Baseline mode of the hit-rate sweep"),
@@ -114,7 +116,7 @@ def sim(
         runs = []
         for c in configs:
             total = len(wl) if isinstance(wl, list) else requests
-            runs.append((c.mode.value, _run(c, wl, total, perf_model, seed, f"simulating {c.mode.value}")))
+            runs.append((c.mode.value, _run(c, wl, total, perf_model, seed, f"simulating {c.mode.value}", not cold_start)))
     except (ConfigError, SimConfigError, ValueError, OSError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -139,7 +141,8 @@ def sim(
             with console.status(f"goodput search: {c.mode.value}") as status:
                 def note(r: float, s: Summary, status=status, c=c) -> None:
                     status.update(f"goodput search {c.mode.value}: {r:.2f} RPS -> SLO attainment {s.slo_attainment:.1%}")
-                found = goodput_search(c, at, lo=min(0.5, rps), perf=perf_model, seed=seed, warmup=warmup, on_probe=note)
+                found = goodput_search(c, at, lo=min(0.5, rps), perf=perf_model, seed=seed, warmup=warmup, on_probe=note,
+                                       warm_start=not cold_start)
             cost = found.summary.cost_per_hour if found.summary else float("nan")
             console.print(f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
                           f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
@@ -152,7 +155,7 @@ def sim(
         else:
             base_cfg = derive(config, mode=baseline)
             with console.status("hit-rate sweep") as status:
-                points = hit_sweep(config, base_cfg, template, HIT_GRID, perf=perf_model, seed=seed, warmup=warmup,
+                points = hit_sweep(config, base_cfg, template, HIT_GRID, perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start,
                                    on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"))
             tub = out / "sim_bathtub.png"
             plot_bathtub(tub, points, f"{config.mode.value} vs {baseline.value}: 1 - TTFT p90 ratio at {template.rps:g} RPS")

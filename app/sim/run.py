@@ -43,12 +43,15 @@ class SimRun:
 
 
 def simulate(config: PDDConfig, workload: Workload, perf: PerfArg = None, seed: int = 0,
-             progress: Callable[[int], None] | None = None, *, outages: Iterable[Outage] = ()) -> SimRun:
+             progress: Callable[[int], None] | None = None, *, outages: Iterable[Outage] = (),
+             warm_start: bool = False) -> SimRun:
     """Serve `workload` on the cluster `config` describes (its `mode`) and return every request's outcome.
 
     `outages`: windows in which the WAN is cut or no main decoder is alive (PDD routes around them).
+    `warm_start`: conversations under way when the run starts find their context cached where
+    routing puts it, as in a cluster that had been serving them (app/sim/twin.py); else caches start cold.
     """
-    twin = Twin(config, perf, seed, progress, outages)
+    twin = Twin(config, perf, seed, progress, outages, warm_start)
     results = twin.run(requests_of(workload))
     return SimRun(config, results, twin.delayed_turns, twin.loop.events)
 
@@ -122,7 +125,8 @@ def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor:
 
 def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Request]], *, lo: float = 0.5,
                    rel_tol: float = 0.03, max_runs: int = 24, confirm: int = 2, perf: PerfArg = None, seed: int = 0,
-                   warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None) -> SearchResult:
+                   warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None,
+                   warm_start: bool = False) -> SearchResult:
     """The highest RPS whose run meets the config's SLO (`grid_search`).
 
     Loads lie on the grid (1 + rel_tol)^k RPS, the same for every search, so
@@ -130,7 +134,7 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
     there (the twin is deterministic for a seed). The search
     starts at the grid load at or below `lo` and goes down to lo / 64. Every
     probe replays the same sessions (same seed), only faster or slower, so
-    noise between probes stays small.
+    noise between probes stays small. `warm_start` as in `simulate`.
     """
     for name, value in (("lo", lo), ("rel_tol", rel_tol)):
         if not value > 0:
@@ -141,7 +145,7 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
 
     def meets(k: int) -> bool:
         rps = math.exp(k * step)
-        s = simulate(config, workload_at(rps), perf, seed).summary(warmup)
+        s = simulate(config, workload_at(rps), perf, seed, warm_start=warm_start).summary(warmup)
         ok = s.meets(config.slo)
         summaries[k] = s
         out.probes.append((rps, s.slo_attainment, ok))
@@ -164,19 +168,23 @@ def agentic_at(template: AgenticWorkload) -> Callable[[float], Iterable[Request]
 @dataclass(frozen=True)
 class TimedTraffic:
     """Agentic traffic measured by simulated time, at any load: `warmup_s` seconds
-    for the cold start's transient, then `window_s` measured.
+    of traffic, then `window_s` measured.
 
-    A cluster starts with cold prefix caches. In PDD every live conversation's
-    context then crosses the WAN once: at paper_table's scale that is minutes of
-    a saturated WAN, and a run counting a share of its arrivals as warm-up
-    measured part of it, more of it at higher loads. Runs of fixed simulated
-    length put the warm-up where the caches have settled at every load.
+    Runs start warm by default: conversations under way find their contexts
+    where routing puts them (app/sim/twin.py), as in a cluster that had been
+    serving them, so a search finds the load a running cluster sustains. From
+    a cold start (`warm_start=False`) every live conversation's context is
+    recomputed and, in PDD, crosses the WAN once: at paper_table's scale that
+    is minutes of a saturated WAN, and near a fleet's peak the turns it queues
+    come back in a burst, so such a search finds the highest load a cold fleet
+    settles at within `warmup_s`, below what a warm one sustains.
     """
 
     workload: AgenticWorkload
     """Its `requests` and `rps` are set per run."""
     warmup_s: float
     window_s: float
+    warm_start: bool = field(default=True, kw_only=True)
 
     @property
     def span_s(self) -> float:
@@ -195,17 +203,26 @@ class TimedTraffic:
         """The same sessions at every load (a goodput search's probes differ only in pace)."""
         return lambda rps: self.at(rps, seed).generate()
 
+    def run(self, config: PDDConfig, rps: float, seed: int) -> SimRun:
+        """`span_s` seconds of the traffic at `rps` on `config` (its figures: `.summary(self.warmup_share)`)."""
+        return simulate(config, self.at(rps, seed), seed=seed, warm_start=self.warm_start)
+
+    def search(self, config: PDDConfig, seed: int, *, lo: float, rel_tol: float = 0.03) -> SearchResult:
+        """`goodput_search` over this traffic, its window measured."""
+        return goodput_search(config, self.traffic(seed), lo=lo, rel_tol=rel_tol, seed=seed, warmup=self.warmup_share,
+                              warm_start=self.warm_start)
+
 
 def hit_sweep(config: PDDConfig, baseline: PDDConfig, template: AgenticWorkload, hits: Iterable[float], *,
               perf: PerfArg = None, seed: int = 0, warmup: float = 0.1,
-              on_point: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+              on_point: Callable[[dict[str, float]], None] | None = None, warm_start: bool = False) -> list[dict[str, float]]:
     """Benefit against hit rate (the bathtub): for each hit rate of follow-up turns,
-    1 - TTFT p90 of `config` / TTFT p90 of `baseline`, at the template's RPS."""
+    1 - TTFT p90 of `config` / TTFT p90 of `baseline`, at the template's RPS (`warm_start` as in `simulate`)."""
     points = []
     for h in hits:
         w = fixed_hit(template, h)
-        mine = simulate(config, w, perf, seed).summary(warmup)
-        base = simulate(baseline, w, perf, seed).summary(warmup)
+        mine = simulate(config, w, perf, seed, warm_start=warm_start).summary(warmup)
+        base = simulate(baseline, w, perf, seed, warm_start=warm_start).summary(warmup)
         point = {
             "hit_rate": h,
             "ttft_p90_s": mine.ttft_s[1],

@@ -17,6 +17,17 @@ A conversation's turns are sequential: a turn due while the previous one
 still runs is sent when that one finishes (an agent waits for the answer),
 and its latencies count from then.
 
+Warm start (`warm_start=True`): a conversation whose first request in the run
+repeats a prefix was under way before the run began. A cluster that had been
+serving it would hold that prefix where routing sent its earlier turns, so it
+is placed there before the request is dispatched: routed by the same
+`PrefixIndex.choose`, stored in the replica's prefix cache and recorded in the
+index, on the roles whose caches later turns reuse (prefill's, and the
+decoder's: main decode's in PDD and colocated, the PD decoder's in
+pd_intra_dc; naive cross-DC PD's decoder skips its cache). Without it every
+such conversation's context is recomputed and, in PDD, crosses the WAN at the
+start of the run: a cold start, whose transient a measured window must avoid.
+
 Placement: the client and the conductor sit with the first role of the
 pipeline (prefill, or main_decode when colocated). Tokens and control
 messages from another datacenter pay half the link's base RTT. The entry
@@ -61,11 +72,20 @@ from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.workload import Request
 
+WARM_ROLES = {
+    Mode.colocated: (RoleName.main_decode,),
+    Mode.pd_intra_dc: (RoleName.prefill, RoleName.relay_decode),
+    Mode.pd_cross_dc_naive: (RoleName.prefill,),
+    Mode.pdd: (RoleName.prefill, RoleName.main_decode),
+}
+"""Roles whose prefix caches a conversation's later turns reuse, per mode (the warm start's)."""
+
+
 class Twin(PDDPipelines):
     """One simulation run of a config; `run(requests)` serves them all and returns Results."""
 
     def __init__(self, config: PDDConfig, perf: PerfArg = None, seed: int = 0,
-                 progress: Callable[[int], None] | None = None, outages: Iterable[Outage] = ()):
+                 progress: Callable[[int], None] | None = None, outages: Iterable[Outage] = (), warm_start: bool = False):
         self.config = config
         self.mode = config.mode
         self.loop = Loop()
@@ -115,6 +135,7 @@ class Twin(PDDPipelines):
         self.delayed_turns = 0
         self._arrivals: Iterator[Request] = iter(())
         self._rid = 0
+        self.warm_roles = tuple(role for role in WARM_ROLES[self.mode] if pools.get(role)) if warm_start else ()
 
     # ---- driving -----------------------------------------------------------------
 
@@ -146,6 +167,8 @@ class Twin(PDDPipelines):
         sess = self.sessions.get(req.session)
         if sess is None:
             sess = self.sessions[req.session] = Session()
+            if self.warm_roles and req.prefix_tokens >= self.block:
+                self._warm(req, sess)
         if sess.busy:
             sess.waiting.append(req)
             self.delayed_turns += 1
@@ -177,6 +200,15 @@ class Twin(PDDPipelines):
             self._start_prefill(job, self._pd_first)
         else:
             self._start_prefill(job, self._naive_first)
+
+    def _warm(self, req: Request, sess: Session) -> None:
+        """Place the prefix of a conversation under way before the run where routing puts it."""
+        sess.stream = req.prefix_tokens
+        keys = self.keymaker.turn(sess.conv, 0, req.prefix_tokens)
+        for role in self.warm_roles:
+            inst, _ = self._route(role, keys)
+            inst.cache.put(req.session, req.prefix_tokens, 0)
+            self.index.record(inst.name, keys, inst.kv_blocks)
 
     def _down(self, kind: str) -> bool:
         return self.outages.down(kind, self.loop.now)

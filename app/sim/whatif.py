@@ -5,7 +5,8 @@
 
 The config's roles get the plan's replica counts (roles the plan leaves out keep
 theirs) and the knobs' routing and handoff; an agentic workload sized to the
-model's context window is served at `load_rps`. Latencies are at the SLO's
+model's context window is served at `load_rps`, starting from the caches a
+cluster serving it would hold (the twin's warm start). Latencies are at the SLO's
 percentile (`config.slo.percentile`); `goodput_rps` is the rate of requests that
 met every SLO target at that load, and `cost_per_hour` the plan's hardware.
 Raises ValueError (SimConfigError) when the config lacks the twin's figures or a
@@ -22,7 +23,7 @@ from app.sim.cluster import SimConfigError, cost_per_hour, derive
 from app.sim.run import simulate
 from app.sim.workload import AgenticWorkload, fitted_to_window
 
-#: Requests per what-if: enough turns for the caches to settle, fast enough for an agent tick.
+#: Requests per what-if: enough turns for the queues to settle, fast enough for an agent tick.
 REQUESTS = 3000
 WARMUP = 0.2
 
@@ -67,7 +68,7 @@ def what_if(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_
             raise SimConfigError(f"roles.{name}: not in this config")
         setattr(roles, role.value, rc.model_copy(update={"replicas": int(count)}))
     plan = derive(config, roles=roles, routing=knobs.routing, handoff=knobs.handoff)
-    run = simulate(plan, workload_for(plan, load_rps, requests, seed), seed=seed)
+    run = simulate(plan, workload_for(plan, load_rps, requests, seed), seed=seed, warm_start=True)
     import numpy as np
 
     a = run.results.arrays()

@@ -273,6 +273,19 @@ def test_cli_prints_the_table_and_writes_plots(tmp_path):
     assert (out / "sim_ttft_cdf.png").stat().st_size > 0
 
 
+def test_cli_starts_warm_unless_told_to_start_cold(tmp_path):
+    from app.sim.cli import cli
+
+    hits = {}
+    for flag in ([], ["--cold-start"]):
+        path = tmp_path / f"f{len(flag)}.json"
+        result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--requests", "150", "--rps", "2", "--warmup", "0",
+                                          "--out", str(tmp_path), "--json", str(path), *flag])
+        assert result.exit_code == 0, result.output
+        hits[bool(flag)] = json.loads(path.read_text())["runs"]["pdd"]["prefill_hit"]
+    assert hits[False] > hits[True]
+
+
 def test_cli_search_sweep_and_trace(tmp_path):
     from app.sim.cli import cli
 
