@@ -15,9 +15,12 @@ API for comparisons with real runs (e.g. bench/sim_vs_real.py):
         r.ttft_s, r.tpot_s, r.max_gap_s, r.pipeline       # per request
     run.summary()                                         # percentiles, SLA goodput, BCR
 
-- `simulate(config, workload, perf=None, seed=0, progress=None) -> SimRun`:
+- `simulate(config, workload, perf=None, seed=0, progress=None, *, outages=(), warm_start=False) -> SimRun`:
   `workload` is a list/iterable of `Request` (arrival order), a JSONL trace
-  path (format in app/sim/workload.py), or `AgenticWorkload` settings. `perf`
+  path (format in app/sim/workload.py), or `AgenticWorkload` settings.
+  `warm_start`: conversations under way when the run starts (their first
+  request repeats a prefix) find it cached where routing puts it; else every
+  cache starts empty, as in a fresh deployment (app/sim/twin.py). `perf`
   is one `PerfModel` for every node group, a mapping node-group name ->
   model, or None for each group's roofline from `node_groups.*.spec`. A
   fitted model keeps KV capacity at the role's `engine.kv_cache_gib`.
