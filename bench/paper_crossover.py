@@ -21,7 +21,7 @@ TTFT at each system's peak) and where the RPS and BCR ratios cross 1 and where
 decode reaches the paper's share of cost (log-linear between the points that
 bracket it); writes bench/out/paper_crossover.{csv,png}.
 
-    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--cold-start] [--json out.json]
+    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--wan-gbps 40] [--cold-start] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rich.table import Table
 
-from app.config_file import load_config
 from app.sim.cluster import cost_per_hour
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
 from bench.common import median, write_outputs
-from bench.paper_table import (CONFIG, PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
-                               decode_cost, fleet, timed_traffic)
+from bench.paper_table import (PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
+                               decode_cost, fleet, load_base, timed_traffic)
 
 
 def scaled_outputs(w: AgenticWorkload, scale: float, answer_s_per_token: float) -> AgenticWorkload:
@@ -117,7 +116,7 @@ def main() -> None:
     if not scales or scales[0] <= 0:
         ap.error("--scales: every multiplier must be above 0")
 
-    base = load_config(CONFIG)
+    base = load_base(a)
     answer_s = base.slo.tpot_ms / 1000
     t0 = time.perf_counter()
     rows = []
@@ -161,7 +160,8 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
-    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale, "answer_s_per_output_token": answer_s,
+    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
+               "wan_link_gbps": base.link("dc-a", "dc-b").bandwidth_mbps / 1000, "answer_s_per_output_token": answer_s,
                "rows": rows, **found, "wall_s": time.perf_counter() - t0}
     csv_path = write_outputs("paper_crossover", rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s)")

@@ -40,9 +40,13 @@ Setup.
   192.8 after 1800 s, 223.5 warm after 450 s or 120 s; PDD's 18 P, 1 RLD,
   9 MD 74.9, 94.8 and 113.2 warm after 450 s, 116.6 after 120 s, where a
   slowly growing WAN backlog had less time to show).
+- WAN: the config's 40 Gb/s is an assumption (no source gives a WAN for a
+  fleet this size); `--wan-gbps` reruns the comparison at another bandwidth,
+  to show how much of each gap the link makes.
 Figures are medians over seeds.
 
-    python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--cold-start] [--json out.json]
+    python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--wan-gbps 40]
+                                [--cold-start] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles
+from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles, link_key
 from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
 from app.sim.run import TimedTraffic
@@ -101,6 +105,8 @@ def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
     m = base.model.spec
     groups = base.node_groups
     wan = base.link("dc-a", "dc-b")
+    configured_gbps = load_config(CONFIG).link("dc-a", "dc-b").bandwidth_mbps / 1000
+    wan_is_configured = wan.bandwidth_mbps / 1000 == configured_gbps
     weights_gb = m.total_params_b * m.weight_bytes_per_param
     return [
         ("model", f"DeepSeek-V4-Pro: {m.total_params_b:g}B total, {m.active_params_b:g}B active, {weights_gb:.0f} GB of weights",
@@ -117,7 +123,8 @@ def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
         ("engine", f"max_num_seqs {base.roles.main_decode.engine.max_num_seqs}, chunk budget "
          f"{base.roles.prefill.engine.max_num_batched_tokens}, block {base.model.block_size}", "vLLM defaults for H100/H200; vLLM's V4 block size"),
         ("WAN", f"{wan.bandwidth_mbps / 1000:g} Gb/s, {wan.rtt_ms:g} ms RTT, lognormal jitter {wan.jitter.mean_ms:g} ms, "
-         f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms", "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need"),
+         f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms", "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need" if wan_is_configured
+         else f"--wan-gbps, a sensitivity run (the config's {configured_gbps:g} Gb/s is the assumption: tens of Gb/s)"),
         ("routing / handoff", f"P-MD when WAN <= one of {', '.join(f'{t:g}' for t in THRESHOLDS_MS)} ms (best); "
          f"{base.handoff.mode.value}, relay cap one of {', '.join(str(c) for c in RELAY_CAPS)} tokens (best)", "config and policy defaults"),
         ("SLO", f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
@@ -272,7 +279,20 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cold-start", action="store_true",
                     help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)")
     ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
+    ap.add_argument("--wan-gbps", type=float, default=None,
+                    help="the A <-> B link's bandwidth in Gb/s (default: the config's 40, an assumption): to see how much of a gap the WAN makes")
     ap.add_argument("--json", dest="json_path")
+
+
+def load_base(a: argparse.Namespace) -> PDDConfig:
+    """The config, with the A <-> B link at `--wan-gbps` when given."""
+    base = load_config(CONFIG)
+    if a.wan_gbps is None:
+        return base
+    if not a.wan_gbps > 0:
+        raise SystemExit(f"--wan-gbps must be > 0, got {a.wan_gbps:g}")
+    cross = link_key("dc-a", "dc-b")
+    return derive(base, links=[lc.model_copy(update={"bandwidth_mbps": a.wan_gbps * 1000}) if lc.key == cross else lc for lc in base.links])
 
 
 def timed_traffic(w: AgenticWorkload, a: argparse.Namespace) -> TimedTraffic:
@@ -285,7 +305,7 @@ def main() -> None:
     add_run_arguments(ap)
     a = ap.parse_args()
 
-    base = load_config(CONFIG)
+    base = load_base(a)
     t = timed_traffic(WORKLOAD, a)
     ca, cb = base.node_groups[H100].cost_per_hour, base.node_groups[H200].cost_per_hour
     t0 = time.perf_counter()
@@ -355,7 +375,8 @@ def main() -> None:
 
     rows = [{"system": n, "fleet": fleet(chosen[n]), "threshold_ms": chosen[n].routing.max_wan_transfer_ms,
              "relay_cap_tokens": chosen[n].handoff.relay_cap_tokens, **med[n]} for n in systems]
-    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale, "workload": realized, "systems": rows,
+    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
+               "wan_link_gbps": base.link("dc-a", "dc-b").bandwidth_mbps / 1000, "workload": realized, "systems": rows,
                "checks": checks, "notes": notes,
                "paper_directions_matched": sum(c["match"] for c in checks if c["paper_baseline"]),
                "paper_directions_total": sum(c["paper_baseline"] for c in checks),
@@ -423,7 +444,7 @@ def show_tables(med: dict, chosen: dict) -> None:
                   f"{nv[f'naive_ttft{q}']:.2f}")
     t.add_row(f"WAN (Gb/s) @ {nl:.1f} RPS", f"~1/{p['wan_cut']:g} of raw", f"{pd['wan_gbps']:.1f}", "", "0", "0", f"raw > {p['raw_wan_gbps']:g}",
               f"{nv['wan_gbps']:.1f}")
-    t.add_row("WAN (Gb/s) at own peak", "", f"{pd.get('wan_gbps_peak', float('nan')):.1f}", "", "", "", "", f"{nv.get('wan_gbps_peak', float('nan')):.1f}")
+    t.add_row("WAN demand (Gb/s) at own peak", "", f"{pd.get('wan_gbps_peak', float('nan')):.1f}", "", "", "", "", f"{nv.get('wan_gbps_peak', float('nan')):.1f}")
     t.add_row("relay share of tokens", f"~{p['relay_share']:.0%}", f"{pd.get('relay_share', float('nan')):.1%}", "", "", "", "", "")
     console.print(t)
 
@@ -503,8 +524,9 @@ def wan_line(med: dict, chosen: dict) -> str:
     """How full PDD's WAN is at its peak: every turn's context that its main decoder lacks crosses it."""
     used = med["PDD"].get("wan_gbps_peak", float("nan"))
     link = chosen["PDD"].link("dc-a", "dc-b").bandwidth_mbps / 1000
-    return (f"WAN: at its peak PDD moves {used:.1f} Gb/s over the {link:g} Gb/s link ({used / link:.0%}): what its main decoders lack "
-            f"crosses it; intra-DC PD moves nothing over it. Near a full WAN, PDD's turns wait for their context to arrive.")
+    return (f"WAN: at its peak PDD's turns ask for {used:.1f} Gb/s of KV over the {link:g} Gb/s link ({used / link:.0%}; above 100%, "
+            f"a backlog grows through the window): what its main decoders lack crosses it; intra-DC PD sends nothing over it. "
+            f"Near a full WAN, PDD's turns wait for their context to arrive.")
 
 
 def fleet_of(c: PDDConfig, role: str) -> str:

@@ -32,6 +32,8 @@ class Summary:
     bcr: float
     """SLA goodput per unit of hardware cost: requests/s per $/h."""
     wan_gbps: float
+    """KV the measured requests sent over the WAN, per second of the window: their demand
+    on it, counted when each pull is asked for. Above the link's bandwidth a backlog grows."""
     prefill_hit: float
     """Token-weighted prefix hit at prefill."""
     decode_hit: float
