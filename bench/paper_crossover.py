@@ -41,7 +41,7 @@ from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
 from bench.common import median, write_outputs
 from bench.paper_table import (PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
-                               decode_cost, fleet, load_base, timed_traffic)
+                               decode_cost, fleet, load_base, timed_traffic, wan_link_gbps)
 
 
 def scaled_outputs(w: AgenticWorkload, scale: float, answer_s_per_token: float) -> AgenticWorkload:
@@ -161,7 +161,7 @@ def main() -> None:
         fig.savefig(path, dpi=120)
 
     summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
-               "wan_link_gbps": base.link("dc-a", "dc-b").bandwidth_mbps / 1000, "answer_s_per_output_token": answer_s,
+               "wan_link_gbps": wan_link_gbps(base), "answer_s_per_output_token": answer_s,
                "rows": rows, **found, "wall_s": time.perf_counter() - t0}
     csv_path = write_outputs("paper_crossover", rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s)")

@@ -100,13 +100,11 @@ WARMUP_S = 450.0
 """Simulated seconds of traffic before each run's measured window (queues and caches settle)."""
 
 
-def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
+def parameters(base: PDDConfig, t: TimedTraffic, wan_from_option: bool) -> list[tuple[str, str, str]]:
     w = t.workload
     m = base.model.spec
     groups = base.node_groups
     wan = base.link("dc-a", "dc-b")
-    configured_gbps = load_config(CONFIG).link("dc-a", "dc-b").bandwidth_mbps / 1000
-    wan_is_configured = wan.bandwidth_mbps / 1000 == configured_gbps
     weights_gb = m.total_params_b * m.weight_bytes_per_param
     return [
         ("model", f"DeepSeek-V4-Pro: {m.total_params_b:g}B total, {m.active_params_b:g}B active, {weights_gb:.0f} GB of weights",
@@ -122,9 +120,9 @@ def parameters(base: PDDConfig, t: TimedTraffic) -> list[tuple[str, str, str]]:
          "DeepSeek inference-system note (prefill tokens/s per H800 node) / assumption"),
         ("engine", f"max_num_seqs {base.roles.main_decode.engine.max_num_seqs}, chunk budget "
          f"{base.roles.prefill.engine.max_num_batched_tokens}, block {base.model.block_size}", "vLLM defaults for H100/H200; vLLM's V4 block size"),
-        ("WAN", f"{wan.bandwidth_mbps / 1000:g} Gb/s, {wan.rtt_ms:g} ms RTT, lognormal jitter {wan.jitter.mean_ms:g} ms, "
-         f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms", "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need" if wan_is_configured
-         else f"--wan-gbps, a sensitivity run (the config's {configured_gbps:g} Gb/s is the assumption: tens of Gb/s)"),
+        ("WAN", f"{wan_link_gbps(base):g} Gb/s, {wan.rtt_ms:g} ms RTT, lognormal jitter {wan.jitter.mean_ms:g} ms, "
+         f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms", "--wan-gbps, a sensitivity run (the config's value is the assumption: tens of Gb/s)" if wan_from_option
+         else "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need"),
         ("routing / handoff", f"P-MD when WAN <= one of {', '.join(f'{t:g}' for t in THRESHOLDS_MS)} ms (best); "
          f"{base.handoff.mode.value}, relay cap one of {', '.join(str(c) for c in RELAY_CAPS)} tokens (best)", "config and policy defaults"),
         ("SLO", f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
@@ -295,6 +293,10 @@ def load_base(a: argparse.Namespace) -> PDDConfig:
     return derive(base, links=[lc.model_copy(update={"bandwidth_mbps": a.wan_gbps * 1000}) if lc.key == cross else lc for lc in base.links])
 
 
+def wan_link_gbps(c: PDDConfig) -> float:
+    return c.link("dc-a", "dc-b").bandwidth_mbps / 1000
+
+
 def timed_traffic(w: AgenticWorkload, a: argparse.Namespace) -> TimedTraffic:
     return TimedTraffic(w, a.warmup_s, a.window_s, warm_start=not a.cold_start)
 
@@ -314,7 +316,7 @@ def main() -> None:
     params = Table(title="parameters and their sources")
     for col in ("parameter", "value", "source"):
         params.add_column(col)
-    for row in parameters(base, t):
+    for row in parameters(base, t, wan_from_option=a.wan_gbps is not None):
         params.add_row(*row)
     params.add_row("workload as generated", f"mean prompt {realized['mean_prompt_tokens']:,.0f}, mean output {realized['mean_output_tokens']:,.0f} "
                    f"tokens, mean hit {realized['mean_hit']:.1%}, {realized['share_hit_over_95']:.0%} of turns > 95%, "
@@ -376,7 +378,7 @@ def main() -> None:
     rows = [{"system": n, "fleet": fleet(chosen[n]), "threshold_ms": chosen[n].routing.max_wan_transfer_ms,
              "relay_cap_tokens": chosen[n].handoff.relay_cap_tokens, **med[n]} for n in systems]
     summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
-               "wan_link_gbps": base.link("dc-a", "dc-b").bandwidth_mbps / 1000, "workload": realized, "systems": rows,
+               "wan_link_gbps": wan_link_gbps(base), "workload": realized, "systems": rows,
                "checks": checks, "notes": notes,
                "paper_directions_matched": sum(c["match"] for c in checks if c["paper_baseline"]),
                "paper_directions_total": sum(c["paper_baseline"] for c in checks),
@@ -523,7 +525,7 @@ def prefill_line(med: dict, chosen: dict, notes: dict) -> str:
 def wan_line(med: dict, chosen: dict) -> str:
     """How full PDD's WAN is at its peak: every turn's context that its main decoder lacks crosses it."""
     used = med["PDD"].get("wan_gbps_peak", float("nan"))
-    link = chosen["PDD"].link("dc-a", "dc-b").bandwidth_mbps / 1000
+    link = wan_link_gbps(chosen["PDD"])
     return (f"WAN: at its peak PDD's turns ask for {used:.1f} Gb/s of KV over the {link:g} Gb/s link ({used / link:.0%}; above 100%, "
             f"a backlog grows through the window): what its main decoders lack crosses it; intra-DC PD sends nothing over it. "
             f"Near a full WAN, PDD's turns wait for their context to arrive.")
