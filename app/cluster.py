@@ -138,9 +138,19 @@ def start_node(cluster: LocalCluster, plan: NodePlan, echo=print) -> None:
         raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
 
 
+def ensure_auth_token(extra_env: dict[str, str] | None = None) -> None:
+    """Create Ray's cluster token where Ray looks for it (`~/.ray/auth_token`, or
+    `RAY_AUTH_TOKEN_PATH`) unless one exists: `ray start --head` refuses to start
+    without one under token auth, and only `ray.init` makes one by itself."""
+    out = subprocess.run([ray_bin(), "get-auth-token", "--generate"], env=env(extra_env), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"`ray get-auth-token --generate` failed: {out.stderr[-2000:]}")
+
+
 def up(config: PDDConfig, cpus_per_node: int = 8, echo=print, **cluster_options) -> LocalCluster:
     """Start the nodes; raises with Ray's own message when a node fails to start."""
     cluster = LocalCluster(plan_nodes(config), cpus_per_node=cpus_per_node, **cluster_options)
+    ensure_auth_token(cluster.extra_env)
     for plan in cluster.nodes:
         start_node(cluster, plan, echo)
     _record().write_text(json.dumps({"temp_dir": cluster.temp_dir, "address": cluster.address, "dashboard": cluster.dashboard_url}))
