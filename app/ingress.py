@@ -332,8 +332,16 @@ class ConductorIngress:
     @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> ModelList:
         self.keys.check(request)
-        card = ModelCard(id=self.config.model.served_name, created=self.created, max_model_len=self.config.model.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[self._model_card()])
+
+    @api.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def model(self, model: str, request: Request) -> ModelCard:
+        self.keys.check(request)
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.config.model.served_name, created=self.created, max_model_len=self.config.model.max_model_len)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):

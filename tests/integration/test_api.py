@@ -36,9 +36,13 @@ def chat(client, content="Summarize the log file.", **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
 
 
-def test_models_lists_the_served_model(client):
+def test_models_lists_and_retrieves_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/other-model")  # sent as org%2Fother-model: a name may hold a slash
+    assert info.value.body["code"] == "model_not_found" and "org/other-model" in info.value.body["message"]
 
 
 def test_chat_non_streaming(client):
