@@ -98,7 +98,7 @@ async def _validation_error(_: Request, err: RequestValidationError) -> JSONResp
         msg = "Request body is not valid JSON"
         param = None
     elif param:
-        msg = f"{param}: {msg}"
+        msg = f"{param}: {msg.removeprefix('Value error, ')}"
     return _error_response(APIError(400, msg, param=param))
 
 

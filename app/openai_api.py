@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app.config import Mode
 
@@ -50,6 +50,22 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+def _only(kind: type, value: int, why: str) -> Any:
+    """A field served at one value only: any other is refused with the reason (the
+    schema documents the one value, so generated clients send it)."""
+
+    def check(given):
+        if given != value:
+            raise ValueError(f"only {value} is supported ({why}), got {given}")
+        return given
+
+    return Annotated[kind, AfterValidator(check),
+                     Field(description=f"Only {value} is supported", json_schema_extra={"minimum": value, "maximum": value})]
+
+
+_ONE_CHOICE = _only(int, 1, "one choice per request")
+_PENALTY = _only(float, 0, "a handoff splits the output tokens a penalty counts between two engines")
+
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
 
 
@@ -57,14 +73,14 @@ class _SamplingFields(_Request):
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1, description="Only 1 is supported")] | None = None
+    n: _ONE_CHOICE | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
     seed: Annotated[int, Field(ge=-(2**53), le=2**53, description="Within +-2^53: integers JSON carries exactly")] | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0, description="Only 0 is supported")] | None = None
+    presence_penalty: _PENALTY | None = None
+    frequency_penalty: _PENALTY | None = None
     ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
     return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")

@@ -188,6 +188,17 @@ def test_bad_parameters_are_400(app, body, param):
     _assert_error(_post(app, "/v1/chat/completions", full), 400, param=param)
 
 
+def test_values_served_only_as_default_are_refused_with_the_reason(app):
+    for field, value, reason in (("n", 2, "only 1 is supported (one choice per request), got 2"),
+                                 ("presence_penalty", 0.5, "only 0 is supported (a handoff splits"),
+                                 ("frequency_penalty", -1, "only 0 is supported")):
+        full = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
+        err = _assert_error(_post(app, "/v1/chat/completions", full), 400, param=field)
+        assert err["message"].startswith(f"{field}: {reason}"), err["message"]
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1, "presence_penalty": 0}
+    assert _post(app, "/v1/chat/completions", ok).status_code == 200
+
+
 def test_malformed_json_is_400(app):
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b'{"model": "pdd-dev", "messages": ['), 400)
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b"\xff\xfe not utf-8"), 400)
