@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from app.config import Mode
 
@@ -127,6 +127,15 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        # else the union reports its first branch: "Input should be a valid string"
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"one prompt per request, got a batch of {len(prompt)}")
+        return prompt
+
     echo: Literal[False] | None = Field(default=None, description="Not supported")
     suffix: None = Field(default=None, description="Not supported")
 

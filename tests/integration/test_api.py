@@ -199,6 +199,14 @@ def test_values_served_only_as_default_are_refused_with_the_reason(app):
     assert _post(app, "/v1/chat/completions", ok).status_code == 200
 
 
+def test_a_batch_of_prompts_is_refused_by_name(app):
+    for prompt in (["a", "b"], [[11, 12], [13]]):
+        err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": prompt}), 400, param="prompt")
+        assert err["message"] == "prompt: one prompt per request, got a batch of 2"
+    ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": ["a"], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 def test_malformed_json_is_400(app):
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b'{"model": "pdd-dev", "messages": ['), 400)
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b"\xff\xfe not utf-8"), 400)
