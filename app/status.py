@@ -85,8 +85,10 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
                 _judged(_sec_ms(snapshot.gap_p99_by_pipeline.get(p)), targets["max_gap_ms"]),
             )
     else:
-        for p, fig in state["slo"]["recent"]["by_pipeline"].items():  # the conductor keeps p50/p90/p99
-            slo.add_row(p, str(fig["requests"]), _judged(fig["ttft_ms"]["p90"], targets["ttft_ms"]), str(fig["ttft_ms"]["p99"]), _judged(fig["tpot_ms"]["p90"], targets["tpot_ms"]), _judged(fig["max_gap_ms"]["p99"], targets["max_gap_ms"]))
+        for p, fig in state["slo"]["recent"]["by_pipeline"].items():  # the conductor keeps p50/p90/p99 and the SLO's
+            p99 = fig["ttft_ms"]["p99"]
+            slo.add_row(p, str(fig["requests"]), _judged(fig["ttft_ms"][pct], targets["ttft_ms"]), "-" if p99 is None else f"{p99:.0f}",
+                        _judged(fig["tpot_ms"][pct], targets["tpot_ms"]), _judged(fig["max_gap_ms"]["p99"], targets["max_gap_ms"]))
 
     extra = []
     if snapshot is not None:

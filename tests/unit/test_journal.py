@@ -1,12 +1,16 @@
-"""A journey's engine timings: what each engine replica, and vLLM's engine core inside it, spent on the first token."""
+"""A journey's engine timings (what each engine replica, and vLLM's engine core inside it, spent on the
+first token), and the recent SLO figures the conductor keeps from journeys."""
 
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 from vllm.v1.metrics.stats import RequestStateStats
 
+from app.config import LiveKnobs, SLOConfig
 from app.engine import _engine_core_times
-from app.journal import Journey
+from app.journal import Journey, slo_summary
+from app.status import render
 from app.token_channel import EngineDelta
 
 
@@ -33,3 +37,20 @@ def test_the_first_engine_of_a_role_keeps_its_times_unless_it_was_retried():
     assert journey.engine_ttft_ms["prefill"] == 25.0
     assert "prefill" not in journey.engine_core_ttft_ms and "prefill" not in journey.engine_queued_ms
     assert journey.to_dict()["engine_core_ttft_ms"] == {"relay_decode": 31.0}
+
+
+def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_judges_those():
+    journeys = []
+    for i in range(100):
+        j = Journey(f"r{i}", "pdd", 10, 5, started_at=0.0)
+        j.pipeline, j.ttft_ms, j.decode_ms, j.max_gap_ms, j.completion_tokens, j.finished_at = "P-MD", float(i + 1), 40.0, 50.0, 5, 10.0
+        journeys.append(j)
+    slo = SLOConfig(percentile=95, ttft_ms=95.5)
+    fig = slo_summary(journeys, slo, window_s=60, now=20.0)["by_pipeline"]["P-MD"]
+    assert (fig["ttft_ms"]["p95"], fig["ttft_ms"]["p90"], fig["tpot_ms"]["p95"]) == (96.0, 91.0, 10.0)
+    state = {"model": "m", "mode": "pdd", "in_flight": 0, "roles": {}, "links": {}, "knobs": LiveKnobs().model_dump(mode="json"),
+             "slo": {"targets": slo.model_dump(mode="json"), "recent": {"by_pipeline": {"P-MD": fig}}}}
+    console = Console(width=200, record=True)
+    console.print(render(state, None))
+    row = next(line for line in console.export_text().splitlines() if "P-MD" in line)
+    assert row.split("│")[3].strip() == "96"  # the p95 column shows p95 (over the 95.5 ms target), not p90's 91
