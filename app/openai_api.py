@@ -127,6 +127,8 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: Literal[False] | None = Field(default=None, description="Not supported")
+    suffix: None = Field(default=None, description="Not supported")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -135,9 +137,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
             raise ValueError(f"one prompt per request, got a batch of {len(prompt)}")
         return prompt
-
-    echo: Literal[False] | None = Field(default=None, description="Not supported")
-    suffix: None = Field(default=None, description="Not supported")
 
 
 class Usage(BaseModel):
