@@ -262,6 +262,15 @@ class Relay:
                         md_task = asyncio.create_task(self._md_step(self._md_request(f"cu{rounds}", list(self.out), 1)))
                         continue
                     break
+        except GeneratorExit:
+            # the client's stream ended during the relay (the conductor stops reading at a stop
+            # string): the turn is over, as if RLD had finished it, and MD's cache must not fall
+            # behind P's, so MD still catches up on it for the conversation's next turn
+            if relaying and md_task is not None:
+                self._finish_md_in_background(md_task)
+                md_task = None
+                self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "the stream ended during the relay"}
+            raise
         finally:
             next_item.cancel()
             pump.cancel()

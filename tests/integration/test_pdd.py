@@ -147,6 +147,32 @@ def test_high_hit_turn_goes_straight_to_md(app):
     assert text == completion(app, turn2, 64, mode="colocated")[0]
 
 
+def test_a_turn_stopped_during_the_relay_still_reaches_md(app):
+    """A stop string ends the client's stream while RLD relays: MD still catches up on the
+    turn, so the next one goes straight to MD and only what it added crosses the WAN."""
+    turn1 = fresh(LONG)
+    reference, _ = completion(app, turn1, 200, mode="colocated", ignore_eos=True)
+    app.handle("Conductor").reset_prefix_caches.remote().result()  # colocated ran on an MD: cold caches again
+    at = next(k for k in range(40, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert first.choices[0].text == reference[:at] and first.choices[0].finish_reason == "stop"
+    journey = app.journey(first.id)
+    assert journey["pipeline"] == "P-RLD-MD"
+    assert [role for role, _ in journey["token_sources"]] == ["prefill", "relay_decode"]
+    assert journey["handoff"]["reason"] == "the stream ended during the relay"
+    wait_wan_idle(app)
+    turn2 = turn1 + first.choices[0].token_ids + fresh(60)
+    text, journey = completion(app, turn2, 16)
+    assert journey["pipeline"] == "P-MD", journey["decision"]
+    block = app.args["model"]["block_size"]
+    assert journey["hit_tokens"]["main_decode"] >= len(turn1) // block * block
+    wan = [t for t in journey["transfers"] if t["link"] == "dc-a->dc-b"]
+    assert len(wan) == 1 and wan[0]["blocks"] <= 3
+    assert text == completion(app, turn2, 16, mode="colocated")[0]
+
+
 def test_singular_request_finishes_on_the_relay(app, knobs):
     knobs(routing={"singular": {"enabled": True, "min_prompt_tokens": 2000, "max_hit_rate": 0.2, "max_output_tokens": 8}})
     prompt = fresh(LONG)
