@@ -173,6 +173,31 @@ def test_a_turn_stopped_during_the_relay_still_reaches_md(app):
     assert text == completion(app, turn2, 16, mode="colocated")[0]
 
 
+def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
+    """A stop string ends the client's stream while MD decodes: the conductor's index still
+    learns what MD computed, so the next turn's estimate counts it and only what that turn
+    added is expected to cross the WAN."""
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    turn1 = fresh(LONG)
+    answer1 = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0,
+                                        extra_body={"return_token_ids": True}).choices[0].token_ids
+    turn2 = turn1 + answer1 + fresh(60)
+    reference, _ = completion(app, turn2, 200, mode="colocated", ignore_eos=True)
+    # colocated ran on an MD and taught the index: cold caches, then turn 1 again, as PDD served it
+    app.handle("Conductor").reset_prefix_caches.remote().result()
+    completion(app, turn1, 64)
+    wait_wan_idle(app)
+    at = next(k for k in range(120, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
+    second = client.completions.create(model="pdd-dev", prompt=turn2, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert second.choices[0].text == reference[:at]
+    journey = app.journey(second.id)
+    assert journey["pipeline"] == "P-MD" and journey["finish_reason"] == "stop", journey["decision"]
+    turn3 = turn2 + second.choices[0].token_ids + fresh(60)
+    _, journey = completion(app, turn3, 8)
+    assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
+
+
 def test_singular_request_finishes_on_the_relay(app, knobs):
     knobs(routing={"singular": {"enabled": True, "min_prompt_tokens": 2000, "max_hit_rate": 0.2, "max_output_tokens": 8}})
     prompt = fresh(LONG)
