@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 	$(BIN)/pdd native build
 
-run: install
+run: install prometheus
 	$(BIN)/pdd run $(CONFIG)
 
 test: install prometheus
