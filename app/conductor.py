@@ -505,10 +505,12 @@ class Conductor:
         held = list(first.token_ids) if hold_first else []
         output = list(first.token_ids)
         served_by: RoleName | None = None
+        finished = False
         try:
             async for served_by, delta in self.follow(role, replica, request, req, journey, list(first.token_ids)):
                 output += delta.token_ids
-                if delta.finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
+                finished = delta.finished
+                if finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
                     self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
                 tokens = held + delta.token_ids
                 held = []
@@ -516,6 +518,6 @@ class Conductor:
                     yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None)
         except GeneratorExit:
             # the client's stream ended first (a stop string): the decoder's cache keeps what it computed
-            if cache_salt is None and served_by is role:
+            if not finished and cache_salt is None and served_by is role:
                 self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
             raise

@@ -293,18 +293,20 @@ class Relay:
         }
         output = list(self.out)
         served_by: RoleName | None = None
+        finished = False
         try:
             async for served_by, delta in self.c.follow(RoleName.main_decode, self.md, final, req, self.journey, list(self.out)):
                 if delta.token_ids and self.journey.handoff["latency_ms"] is None:
                     self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
                 output += delta.token_ids
-                if delta.finished and served_by is RoleName.main_decode:
+                finished = delta.finished
+                if finished and served_by is RoleName.main_decode:
                     self.c.remember(self.md, req.prompt_token_ids + output)
                 if delta.token_ids or delta.finished:
                     yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
         except GeneratorExit:
             # the client's stream ended first (a stop string): MD's cache keeps what it computed
-            if served_by is RoleName.main_decode:
+            if not finished and served_by is RoleName.main_decode:
                 self.c.remember(self.md, req.prompt_token_ids + output)
             raise
 
