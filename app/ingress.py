@@ -99,7 +99,8 @@ async def _validation_error(_: Request, err: RequestValidationError) -> JSONResp
         param = None
     elif param:
         msg = f"{param}: {msg.removeprefix('Value error, ')}"
-    return _error_response(APIError(400, msg, param=param))
+    code = first.get("type") if first.get("type") in ("unsupported_parameter", "unsupported_value") else None
+    return _error_response(APIError(400, msg, param=param, code=code))
 
 
 @api.exception_handler(NoReplicaError)

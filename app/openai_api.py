@@ -2,16 +2,21 @@
 
 Requests are validated here, so a bad field becomes a 400 naming it, in
 OpenAI's error shape, before anything reaches an engine. Unknown fields are
-rejected, as OpenAI does ("Unrecognized request argument supplied").
+rejected, as OpenAI does ("Unrecognized request argument supplied"). Known
+OpenAI fields this server does not serve (tools, logprobs, ...) are accepted at
+the value that asks for nothing, which SDKs send by default, and refused with
+OpenAI's `unsupported_parameter` / `unsupported_value` codes otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from app.config import Mode
 
@@ -56,11 +61,32 @@ def _only(kind: type, value: int, why: str) -> Any:
 
     def check(given):
         if given != value:
-            raise ValueError(f"only {value} is supported ({why}), got {given}")
+            raise PydanticCustomError("unsupported_value", "only {value} is supported ({why}), got {given}",
+                                      {"value": value, "why": why, "given": given})
         return given
 
     return Annotated[kind, AfterValidator(check),
                      Field(description=f"Only {value} is supported", json_schema_extra={"minimum": value, "maximum": value})]
+
+
+def _unsupported(why: str, *neutral: Any) -> Any:
+    """A known OpenAI field this server does not serve: accepted at a value that asks
+    for nothing (null, or what SDKs send by default), refused with the reason otherwise."""
+    accepted = (None, *neutral)
+
+    def check(given):
+        # by type too: 0 == False and 1 == True would let a different request through
+        if not any(type(given) is type(v) and given == v for v in accepted):
+            shown = " or ".join("null" if v is None else json.dumps(v) for v in accepted)
+            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}",
+                                      {"why": why, "shown": shown})
+        return given
+
+    return Annotated[Any, AfterValidator(check),
+                     Field(description=f"Not supported ({why})", json_schema_extra={"enum": list(accepted)})]
+
+
+_TEXT_ONLY = "this server returns plain text"
 
 
 _ONE_CHOICE = _only(int, 1, "one choice per request")
@@ -84,6 +110,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
     return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
+    logit_bias: _unsupported("token biases are not applied", {}) = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -114,6 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: _unsupported("no log probabilities are returned", False) = None
+    top_logprobs: _unsupported("no log probabilities are returned", 0) = None
+    tools: _unsupported(_TEXT_ONLY, []) = None
+    tool_choice: _unsupported(_TEXT_ONLY, "none") = None
+    parallel_tool_calls: _unsupported(_TEXT_ONLY, True, False) = None
+    functions: _unsupported(_TEXT_ONLY, []) = None
+    function_call: _unsupported(_TEXT_ONLY, "none") = None
+    response_format: _unsupported(_TEXT_ONLY, {"type": "text"}) = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -127,8 +162,10 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: Literal[False] | None = Field(default=None, description="Not supported")
-    suffix: None = Field(default=None, description="Not supported")
+    logprobs: _unsupported("no log probabilities are returned") = None
+    best_of: _unsupported("one choice per request", 1) = None
+    echo: _unsupported("the prompt is not repeated", False) = None
+    suffix: _unsupported("no insertion", "") = None
 
     @field_validator("prompt", mode="before")
     @classmethod

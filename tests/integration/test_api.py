@@ -193,10 +193,42 @@ def test_values_served_only_as_default_are_refused_with_the_reason(app):
                                  ("presence_penalty", 0.5, "only 0 is supported (a handoff splits"),
                                  ("frequency_penalty", -1, "only 0 is supported")):
         full = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
-        err = _assert_error(_post(app, "/v1/chat/completions", full), 400, param=field)
+        err = _assert_error(_post(app, "/v1/chat/completions", full), 400, param=field, code="unsupported_value")
         assert err["message"].startswith(f"{field}: {reason}"), err["message"]
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1, "presence_penalty": 0}
     assert _post(app, "/v1/chat/completions", ok).status_code == 200
+
+
+def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_by_name(app):
+    # what SDKs send by default (langchain's completion LLM sends logprobs: null)
+    chat_neutral = {"logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+                    "response_format": {"type": "text"}, "logit_bias": {}, "functions": None}
+    ok = _post(app, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **chat_neutral})
+    assert ok.status_code == 200, ok.text
+    ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
+    assert ok.status_code == 200, ok.text
+    for path, field, value, reason in (
+        ("/v1/chat/completions", "logprobs", True, "not supported (no log probabilities are returned); leave it out or send null or false"),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (this server returns plain text)"),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}, "not supported (this server returns plain text)"),
+        ("/v1/completions", "logprobs", 1, "not supported (no log probabilities are returned); leave it out or send null"),
+        ("/v1/completions", "echo", True, "not supported (the prompt is not repeated)"),
+        ("/v1/completions", "best_of", True, "not supported (one choice per request); leave it out or send null or 1"),
+    ):
+        body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+        err = _assert_error(_post(app, path, body), 400, param=field, code="unsupported_parameter")
+        assert err["message"].startswith(f"{field}: {reason}"), err["message"]
+
+
+def test_langchain_openai_clients_are_served(app):
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    kw = {"base_url": app.v1, "api_key": KEY, "model": MODEL, "max_tokens": 6, "temperature": 0, "max_retries": 0}
+    reply = ChatOpenAI(**kw).invoke("Summarize the log file.")
+    assert reply.usage_metadata["output_tokens"] == 6 and reply.content
+    streamed = list(ChatOpenAI(**kw, stream_usage=True).stream("Summarize the log file."))
+    assert "".join(c.content for c in streamed) == reply.content
+    assert OpenAI(**kw).invoke("Summarize the log file.")
 
 
 def test_a_batch_of_prompts_is_refused_by_name(app):
