@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -254,14 +255,16 @@ class Conductor:
         else:
             stream = pdd_pipeline(self, req, journey)
         try:
-            async for batch in stream:
-                yield batch
+            async with aclosing(stream):
+                async for batch in stream:
+                    yield batch
         except PrefillUnavailable as exc:  # nothing was sent yet: a decoder computes it all
             decoder = RoleName.main_decode if RoleName.main_decode in self.engines.roles() else RoleName.relay_decode
             journey.failovers.append({"from_role": "prefill", "to_role": decoder.value, "at_token": 0, "error": str(exc)})
             metrics.registry().inc(metrics.FAILOVERS, from_role="prefill", to_role=decoder.value)
-            async for batch in self._colocated(req, journey, decoder):
-                yield batch
+            async with aclosing(self._colocated(req, journey, decoder)) as fallback:
+                async for batch in fallback:
+                    yield batch
 
     # ---- building blocks (also used by app/relay.py) -----------------------------
 
@@ -332,14 +335,15 @@ class Conductor:
         pull = (request.kv_transfer_params or {}).get(PULL, {})
         if pull.get("expected_bytes"):
             self._link_backlog(pull["link"]).add(int(pull["expected_bytes"]), time.monotonic())
-        async for delta in self.engines.stream(replica, request):
-            check(delta, role)
-            if delta.transfer is not None:
-                self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
-            journey.note_first_token(role.value, delta, replace=False)
-            if delta.finished:  # no pull (all cached): the engine's own count is the hit
-                journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
-            yield delta
+        async with aclosing(self.engines.stream(replica, request)) as stream:
+            async for delta in stream:
+                check(delta, role)
+                if delta.transfer is not None:
+                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
+                journey.note_first_token(role.value, delta, replace=False)
+                if delta.finished:  # no pull (all cached): the engine's own count is the hit
+                    journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
+                yield delta
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
         """P computes the prompt's KV and the first token; the KV stays leased for
@@ -382,9 +386,10 @@ class Conductor:
         attempt = 0
         while True:
             try:
-                async for delta in self.decode_stream(role, replica, request, journey):
-                    produced += delta.token_ids
-                    yield role, delta
+                async with aclosing(self.decode_stream(role, replica, request, journey)) as stream:
+                    async for delta in stream:
+                        produced += delta.token_ids
+                        yield role, delta
                 return
             except ENGINE_FAILURES as exc:
                 self.engines.suspect(replica.replica_id)
@@ -443,12 +448,13 @@ class Conductor:
         replica, _ = await self.route(role, keys, journey)
         request = EngineRequest(req.request_id, req.prompt_token_ids, req.sampling)
         output: list[int] = []
-        async for served_by, delta in self.follow(role, replica, request, req, journey, []):
-            output += delta.token_ids
-            if delta.finished and served_by is role:
-                journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
-                self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
-            yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
+        async with aclosing(self.follow(role, replica, request, req, journey, [])) as stream:
+            async for served_by, delta in stream:
+                output += delta.token_ids
+                if delta.finished and served_by is role:
+                    journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
+                    self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
+                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
 
     async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
         """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
@@ -471,8 +477,10 @@ class Conductor:
         naive = not first_token_from_prefill
         if naive:  # salted: the decoder's cache will not hold this prompt
             self.unroute(replica, keys)
-        async for batch in self.continue_on(decode_role, replica, req, journey, first, lease, keys, cache_salt=req.request_id if naive else None, hold_first=naive):
-            yield batch
+        decode = self.continue_on(decode_role, replica, req, journey, first, lease, keys, cache_salt=req.request_id if naive else None, hold_first=naive)
+        async with aclosing(decode):
+            async for batch in decode:
+                yield batch
 
     async def continue_on(
         self,
@@ -507,15 +515,16 @@ class Conductor:
         served_by: RoleName | None = None
         finished = False
         try:
-            async for served_by, delta in self.follow(role, replica, request, req, journey, list(first.token_ids)):
-                output += delta.token_ids
-                finished = delta.finished
-                if finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
-                    self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
-                tokens = held + delta.token_ids
-                held = []
-                if tokens or delta.finished:
-                    yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None)
+            async with aclosing(self.follow(role, replica, request, req, journey, list(first.token_ids))) as stream:
+                async for served_by, delta in stream:
+                    output += delta.token_ids
+                    finished = delta.finished
+                    if finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
+                        self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
+                    tokens = held + delta.token_ids
+                    held = []
+                    if tokens or delta.finished:
+                        yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None)
         except GeneratorExit:
             # the client's stream ended first (a stop string): the decoder's cache keeps what it computed
             if not finished and cache_salt is None and served_by is role:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ray.serve.handle import DeploymentHandle
 
@@ -93,8 +94,9 @@ class EngineClient:
 
     async def stream(self, replica: ReplicaInfo, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         """Stream one request on one replica; leaving early aborts it there."""
-        async for delta in self._channel(replica).stream(request):
-            yield delta
+        async with aclosing(self._channel(replica).stream(request)) as stream:
+            async for delta in stream:
+                yield delta
 
     async def reset_prefix_caches(self) -> None:
         """Empty every replica's prefix cache (benchmarks comparing modes on equal terms)."""

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
@@ -127,8 +128,9 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     else:
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = Relay(c, req, journey, md, rld, first, lease, keys, load, wan_bytes, pending).run()
-    async for batch in stream:
-        yield batch
+    async with aclosing(stream):
+        async for batch in stream:
+            yield batch
 
 
 _END = object()
@@ -295,15 +297,16 @@ class Relay:
         served_by: RoleName | None = None
         finished = False
         try:
-            async for served_by, delta in self.c.follow(RoleName.main_decode, self.md, final, req, self.journey, list(self.out)):
-                if delta.token_ids and self.journey.handoff["latency_ms"] is None:
-                    self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
-                output += delta.token_ids
-                finished = delta.finished
-                if finished and served_by is RoleName.main_decode:
-                    self.c.remember(self.md, req.prompt_token_ids + output)
-                if delta.token_ids or delta.finished:
-                    yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
+            async with aclosing(self.c.follow(RoleName.main_decode, self.md, final, req, self.journey, list(self.out))) as stream:
+                async for served_by, delta in stream:
+                    if delta.token_ids and self.journey.handoff["latency_ms"] is None:
+                        self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
+                    output += delta.token_ids
+                    finished = delta.finished
+                    if finished and served_by is RoleName.main_decode:
+                        self.c.remember(self.md, req.prompt_token_ids + output)
+                    if delta.token_ids or delta.finished:
+                        yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
         except GeneratorExit:
             # the client's stream ended first (a stop string): MD's cache keeps what it computed
             if not finished and served_by is RoleName.main_decode:

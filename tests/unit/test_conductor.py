@@ -1,0 +1,77 @@
+"""The conductor's stream handling, on scripted engine streams (no vLLM)."""
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.conductor import Conductor, GenerationRequest
+from app.config import Mode, PDDConfig, RoleName
+from app.devmodel import ensure_devmodel
+from app.engine import ReplicaInfo
+from app.token_channel import EngineDelta, SamplingOptions
+from tests.conftest import local_args
+
+SENTENCE = "the cluster relays the first tokens then the main decoder takes over and the end is near and far away"
+
+
+class ScriptedEngines:
+    """Stands in for app.engine_client.EngineClient: one main decoder whose streams
+    emit SENTENCE's tokens, one per loop turn; it records which streams are open."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.open: set[str] = set()
+        self.replica = ReplicaInfo("md-0", "main_decode", "127.0.0.1", "node", "dc-b", 1000, 16, 0, 1024)
+
+    async def replicas(self, role: RoleName) -> list[ReplicaInfo]:
+        return [self.replica] if role is RoleName.main_decode else []
+
+    def roles(self) -> list[RoleName]:
+        return [RoleName.main_decode]
+
+    def load(self, replica_id: str) -> float:
+        return 0.0
+
+    async def stream(self, replica: ReplicaInfo, request):
+        self.open.add(request.request_id)
+        try:
+            for i, token in enumerate(self.token_ids):
+                await asyncio.sleep(0)
+                last = i == len(self.token_ids) - 1
+                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None)
+        finally:
+            self.open.discard(request.request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(ensure_devmodel())).backend_tokenizer
+
+
+@pytest.fixture
+def conductor(tokenizer):
+    args = local_args()
+    args["mode"] = "colocated"
+    engines = ScriptedEngines(tokenizer.encode(SENTENCE, add_special_tokens=False).ids)
+    return Conductor(PDDConfig.model_validate(args), engines, links=None, tokenizer=tokenizer)
+
+
+def _request(stop: list[str]) -> GenerationRequest:
+    return GenerationRequest("req-1", [11, 12, 13], SamplingOptions(max_tokens=200), stop, Mode.colocated)
+
+
+async def test_a_stop_string_ends_the_engine_stream_before_the_response_does(conductor):
+    text = "".join([out.text async for out in conductor.generate(_request(["end"]))])
+    assert text.endswith("and the ") and "end" not in text
+    # no loop turn since the last output: the engine request was aborted on the way, not later by the finalizer
+    assert conductor.engines.open == set()
+
+
+async def test_a_client_leaving_ends_the_engine_stream_before_close_returns(conductor):
+    outputs = conductor.generate(_request([]))
+    assert (await anext(outputs)).text
+    assert conductor.engines.open == {"req-1"}
+    await outputs.aclose()
+    assert conductor.engines.open == set()
+    assert conductor.journal.get("req-1").finish_reason is None
