@@ -198,6 +198,27 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
 
 
+def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estimate(app, knobs):
+    """As above, on P-RLD-MD: a stop string ends the stream after MD took over from RLD."""
+    knobs(handoff={"relay_cap_tokens": 24, "min_relay_cap_tokens": 24, "mode": "one_shot"})
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    turn1 = fresh(LONG)
+    reference, _ = completion(app, turn1, 200, mode="colocated", ignore_eos=True)
+    app.handle("Conductor").reset_prefix_caches.remote().result()
+    at = next(k for k in range(len(reference) * 2 // 3, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
+    first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert first.choices[0].text == reference[:at]
+    journey = app.journey(first.id)
+    assert journey["pipeline"] == "P-RLD-MD" and journey["finish_reason"] == "stop", journey["decision"]
+    assert [role for role, _ in journey["token_sources"]] == ["prefill", "relay_decode", "main_decode"]
+    assert len(first.choices[0].token_ids) >= 100  # without what MD computed, the next turn's estimate would be off by >= 3 blocks
+    wait_wan_idle(app)
+    turn2 = turn1 + first.choices[0].token_ids + fresh(60)
+    _, journey = completion(app, turn2, 8)
+    assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
+
+
 def test_singular_request_finishes_on_the_relay(app, knobs):
     knobs(routing={"singular": {"enabled": True, "min_prompt_tokens": 2000, "max_hit_rate": 0.2, "max_output_tokens": 8}})
     prompt = fresh(LONG)
