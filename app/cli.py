@@ -187,7 +187,8 @@ def run(
 
         console.print(f"dev model: {ensure_devmodel()}")
     started = None
-    if not cluster.is_running(f"{cluster.plan_nodes(config)[0].ip}:{cluster.HEAD_PORT}"):
+    address = f"{cluster.plan_nodes(config)[0].ip}:{cluster.HEAD_PORT}"
+    if not cluster.is_running(address):
         started = cluster.up(config, echo=console.print)
     try:
         try:
@@ -209,7 +210,7 @@ def run(
         console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
         console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
                       f"-d '{{\"model\": \"{config.model.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
-        prometheus = _start_prometheus(config)
+        prometheus = _start_prometheus(config, cluster.recorded_temp_dir(address))
         agents = _start_agents(config_path, config) if prometheus is not None else None
         console.print("  `pdd status` shows the cluster at a glance")
         try:
@@ -262,8 +263,8 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
-def _start_prometheus(config):
-    """Debian's Prometheus against Ray's service discovery, with the SLO rules; None when absent."""
+def _start_prometheus(config, ray_temp_dir: str | None):
+    """Debian's Prometheus against the cluster's service discovery, with the SLO rules; None when absent."""
     from urllib.parse import urlparse
 
     from app import prometheus
@@ -276,7 +277,7 @@ def _start_prometheus(config):
     workdir.mkdir(parents=True, exist_ok=True)
     rules_path = write_rules(config, workdir / "pdd-rules.yaml")
     port = urlparse(config.agents.prometheus_url).port or 9090
-    server = prometheus.PrometheusServer(port=port, file_sd=prometheus.ray_service_discovery_file(), rule_files=[rules_path], workdir=workdir)
+    server = prometheus.PrometheusServer(port=port, file_sd=prometheus.ray_service_discovery_file(ray_temp_dir), rule_files=[rules_path], workdir=workdir)
     server.start()
     console.print(f"  Prometheus at {server.url} (rules: {rules_path})")
     return server

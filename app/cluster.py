@@ -169,6 +169,16 @@ def recorded_address() -> str | None:
         return None
 
 
+def recorded_temp_dir(address: str) -> str | None:
+    """Ray's temp folder of the cluster at `address` when `up` started it (None: not
+    one of ours, so Ray's default)."""
+    try:
+        record = json.loads(_record().read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("temp_dir") if record.get("address") == address else None
+
+
 def kill_node(cluster: LocalCluster, datacenter: str) -> int:
     """Stop one node the hard way, as if its machine died: its Ray daemons and every
     process they started (replicas, vLLM engines) at once."""

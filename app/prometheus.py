@@ -24,9 +24,10 @@ def binary() -> str | None:
     return shutil.which("prometheus")
 
 
-def ray_service_discovery_file() -> Path:
-    """The file Ray keeps listing each node's metrics endpoint."""
-    return Path(tempfile.gettempdir()) / "ray" / "prom_metrics_service_discovery.json"
+def ray_service_discovery_file(ray_temp_dir: str | Path | None = None) -> Path:
+    """The file Ray keeps listing each node's metrics endpoint, in the cluster's
+    temp folder (`ray start --temp-dir`; Ray's default when None)."""
+    return Path(ray_temp_dir or Path(tempfile.gettempdir()) / "ray") / "prom_metrics_service_discovery.json"
 
 
 class PrometheusServer:

@@ -126,6 +126,20 @@ def test_conversation_crosses_from_a_to_b(deployed):
     assert text2 == run(deployed, turn2, 40, mode="colocated")[0]
 
 
+def test_prometheus_scrapes_both_datacenters_as_pdd_run_starts_it(cluster, deployed, tmp_path):
+    """`pdd run` points Prometheus at its own cluster's service discovery (it read Ray's
+    default folder, which lists another cluster's nodes, or none: the agents saw nothing)."""
+    from app.metrics import REQUESTS, prom_name
+    from app.prometheus import PrometheusServer, ray_service_discovery_file
+
+    run(deployed, fresh(7, 300), 4)
+    file_sd = ray_service_discovery_file(local_cluster.recorded_temp_dir(cluster.address))
+    with PrometheusServer(port=free_port(), scrape_interval_s=2, file_sd=file_sd, workdir=tmp_path) as prom:
+        assert prom.wait_for(f'{prom_name(REQUESTS)}{{outcome="ok"}}'), prom.failing_targets()
+        for ip in (A_IP, B_IP):
+            assert prom.wait_for(f'up{{instance=~"{ip}:.*"}} == 1'), prom.failing_targets()
+
+
 def test_losing_datacenter_b_then_getting_it_back(cluster, deployed):
     assert local_cluster.kill_node(cluster, "dc-b") > 0
     outcomes = []
