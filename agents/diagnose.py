@@ -167,10 +167,15 @@ class _Diagnosis:
             if not (slow or failing):
                 continue
             degraded = True
+            if link.shared:
+                model = [Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, threshold=WAN_SLOWDOWN[0],
+                                  note="mean of each pull's seconds / what the configured link needs for it beside the pulls sharing it")]
+            else:
+                model = [Evidence(query="link model: rtt + mean jitter and stall + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds on an idle link"),
+                         Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0])]
             self.add(WAN_DEGRADATION, f"{link.link}: pulls {link.slowdown:.1f}x slower than the link model, {link.failure_ratio:.0%} failing", [
                 Evidence(query=self.q("kv_seconds_mean_by_link"), value=link.observed_s, note=f"{link.link} mean pull seconds"),
-                Evidence(query="link model: rtt + mean jitter and stall + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds"),
-                Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0]),
+                *model,
                 Evidence(query="failures / pulls", value=link.failure_ratio, threshold=WAN_FAILURES[0]),
                 Evidence(query=self.q("gap_p99"), value=self.snap.gap_p99, note="worst-gap p99 seconds"),
             ], subject=link.link, severity=2)

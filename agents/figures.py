@@ -99,24 +99,20 @@ class LinkHealth:
     observed_s: float
     """Mean seconds per pull over the window."""
     expected_s: float
-    """What the configured link model predicts for pulls of the same mean size."""
+    """What the configured link needs for these pulls, each beside the pulls that shared it."""
     p90_s: float | None
     failure_ratio: float
-
-    @property
-    def slowdown(self) -> float:
-        return self.observed_s / self.expected_s if self.expected_s > 0 else 1.0
+    slowdown: float
+    """Observed / expected: 1 on a link as configured, however busy."""
+    shared: bool = True
+    """Whether `expected_s` counts the pulls sharing the link (the conductor's model of each
+    pull); without it (no pull routing sized: pd_cross_dc_naive), an idle link's time for the
+    mean pull, which a busy link exceeds."""
 
 
 def expected_pull_s(link: LinkConfig, nbytes: float) -> float:
-    """Mean seconds of one pull of `nbytes` on the link as configured, when it carries nothing else.
-
-    The configured jitter and stalls are part of the model: a link that
-    behaves exactly as configured must read as slowdown 1, not as degraded.
-    """
-    jitter_ms = link.jitter.mean_ms if link.jitter.distribution != "none" else 0.0
-    stall_ms = link.stall.probability * link.stall.duration_ms
-    return (link.rtt_ms + jitter_ms + stall_ms) / 1000 + nbytes * 8 / (link.bandwidth_mbps * 1e6)
+    """Mean seconds of one pull of `nbytes` on the link as configured, when it carries nothing else."""
+    return link.mean_latency_s + nbytes * 8 / (link.bandwidth_mbps * 1e6)
 
 
 def _datacenters_in(label: str, config: PDDConfig) -> list[str]:
@@ -142,8 +138,12 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
             link = config.link(*dcs)
         except KeyError:
             continue
-        per_pull = snap.kv_bytes_per_transfer_by_link.get(label, 0.0)
-        expected = expected_pull_s(link, per_pull)
+        slowdown = snap.kv_slowdown_mean_by_link.get(label)
+        if slowdown is not None and slowdown > 0:
+            expected = mean_s / slowdown
+        else:
+            expected = expected_pull_s(link, snap.kv_bytes_per_transfer_by_link.get(label, 0.0))
+            slowdown = mean_s / expected if expected > 0 else 1.0
         pulls = snap.kv_transfer_rate_by_link.get(label, 0.0)
         fails = snap.kv_failure_rate_by_link.get(label, 0.0)
         out.append(
@@ -153,6 +153,8 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
                 expected_s=expected,
                 p90_s=snap.kv_seconds_p90_by_link.get(label),
                 failure_ratio=fails / pulls if pulls > 0 else (1.0 if fails > 0 else 0.0),
+                slowdown=slowdown,
+                shared=label in snap.kv_slowdown_mean_by_link,
             )
         )
     return out

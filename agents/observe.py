@@ -45,6 +45,8 @@ class Snapshot(BaseModel):
     """MD per-request prefix hit histogram: `le` -> observations per second (cumulative)."""
     kv_seconds_mean_by_link: dict[str, float] = {}
     kv_seconds_p90_by_link: dict[str, float] = {}
+    kv_slowdown_mean_by_link: dict[str, float] = {}
+    """Mean of each WAN pull's time / what the configured link needs for it beside the pulls sharing it."""
     kv_bytes_per_transfer_by_link: dict[str, float] = {}
     kv_transfer_rate_by_link: dict[str, float] = {}
     kv_failure_rate_by_link: dict[str, float] = {}

@@ -85,6 +85,7 @@ class QuerySet:
             Query("md_hit_buckets", f"sum by (le) ({r(m.PREFIX_HIT, '_bucket', role='main_decode')})", "le"),
             Query("kv_seconds_mean_by_link", self._mean(m.KV_SECONDS, "link"), "link"),
             Query("kv_seconds_p90_by_link", self._quantile(0.9, m.KV_SECONDS, "link"), "link"),
+            Query("kv_slowdown_mean_by_link", self._mean(m.KV_SLOWDOWN, "link"), "link"),
             Query(
                 "kv_bytes_per_transfer_by_link",
                 f"sum by (link) ({r(m.KV_BYTES)}) / sum by (link) ({r(m.KV_SECONDS, '_count')})",

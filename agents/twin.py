@@ -219,7 +219,7 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
         ongoing[deployment(role)] = float(busy) / span
     replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in roles}
 
-    kv: dict[str, dict[str, float]] = {"mean": {}, "p90": {}, "bytes": {}, "rate": {}}
+    kv: dict[str, dict[str, float]] = {"mean": {}, "p90": {}, "bytes": {}, "rate": {}, "slowdown": {}}
     if RoleName.prefill in roles and RoleName.main_decode in roles:
         src, dst = fleet.datacenter_of(RoleName.prefill), fleet.datacenter_of(RoleName.main_decode)
         pulled = wan[wan > 0]
@@ -227,14 +227,13 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
             link = fleet.link(src, dst)
             bandwidth = link.bandwidth_mbps * 1e6 / 8
             rho = min(float(pulled.sum()) / span / bandwidth, _MAX_WAN_UTILISATION)
-            jitter = link.jitter.mean_ms if link.jitter.distribution != "none" else 0.0
-            fixed_s = (link.rtt_ms + jitter + link.stall.probability * link.stall.duration_ms) / 1000
-            seconds = fixed_s + pulled / (bandwidth * (1 - rho))
+            seconds = link.mean_latency_s + pulled / (bandwidth * (1 - rho))
             label = direction_name(src, dst)
             kv["mean"][label] = float(seconds.mean())
             kv["p90"][label] = float(np.percentile(seconds, 90))
             kv["bytes"][label] = float(pulled.mean())
             kv["rate"][label] = len(pulled) / span
+            kv["slowdown"][label] = 1.0  # the twin's link is as configured, shared as modelled
 
     rates = {str(p): float(n) / span for p, n in zip(*np.unique(pipes, return_counts=True))}
     return Snapshot(
@@ -253,6 +252,7 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
         md_hit_buckets=md_buckets,
         kv_seconds_mean_by_link=kv["mean"],
         kv_seconds_p90_by_link=kv["p90"],
+        kv_slowdown_mean_by_link=kv["slowdown"],
         kv_bytes_per_transfer_by_link=kv["bytes"],
         kv_transfer_rate_by_link=kv["rate"],
         kv_failure_rate_by_link={label: 0.0 for label in kv["rate"]},

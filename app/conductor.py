@@ -23,6 +23,7 @@ from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
 from app.journal import Journal, Journey, Transfer, slo_summary
+from app.kv.link import LinkShare
 from app.kv.params import LEASE, PRODUCE, PULL
 from app.kv.transport import release_lease
 from app.policy import LinkBacklog, Pipeline, affinity_room
@@ -120,6 +121,8 @@ class Conductor:
         self.in_flight = 0
         self.backlogs: dict[str, LinkBacklog] = {}
         """KV bytes routed onto each link and not yet moved (policy input)."""
+        self.shares: dict[str, LinkShare] = {}
+        """The same pulls sharing each link's bandwidth: what each needs on a healthy link (the agents' yardstick)."""
         self._warms: dict[str, dict[int, asyncio.Task]] = {}
         """MD warm-ups in flight: replica id -> last prompt block key -> task."""
         self.background: set[asyncio.Task] = set()
@@ -325,6 +328,22 @@ class Conductor:
             backlog = self.backlogs[link] = LinkBacklog(self.config.link(src, dst).bandwidth_mbps * 1e6 / 8)
         return backlog
 
+    def _link_share(self, link: str) -> LinkShare:
+        share = self.shares.get(link)
+        if share is None:
+            kv = self.config.kv
+            share = self.shares[link] = LinkShare(self._link_backlog(link).bytes_per_s, kv.concurrent_pulls, kv.pull_order)
+        return share
+
+    def _model_seconds(self, pull: dict[str, Any], request: EngineRequest) -> float | None:
+        """What the configured link needs for this pull beside the others routed onto it."""
+        share = self.shares.get(pull.get("link", ""))
+        shared_s = share.finish(request.request_id, time.monotonic()) if share is not None else None
+        if shared_s is None:
+            return None
+        src, dst = pull["link"].split("->")
+        return self.config.link(src, dst).mean_latency_s + shared_s
+
     def backlog(self, link: str) -> int:
         """KV bytes still queued on a link ("dc-a->dc-b"), by its configured model."""
         backlog = self.backlogs.get(link)
@@ -334,12 +353,14 @@ class Conductor:
         """An engine stream whose transfer report lands in the journey; its pull joins the link's backlog."""
         pull = (request.kv_transfer_params or {}).get(PULL, {})
         if pull.get("expected_bytes"):
-            self._link_backlog(pull["link"]).add(int(pull["expected_bytes"]), time.monotonic())
+            now = time.monotonic()
+            self._link_backlog(pull["link"]).add(int(pull["expected_bytes"]), now)
+            self._link_share(pull["link"]).start(request.request_id, int(pull["expected_bytes"]), now, destination=replica.replica_id)
         async with aclosing(self.engines.stream(replica, request)) as stream:
             async for delta in stream:
                 check(delta, role)
                 if delta.transfer is not None:
-                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip)
+                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip, self._model_seconds(pull, request))
                 journey.note_first_token(role.value, delta, replace=False)
                 if delta.finished:  # no pull (all cached): the engine's own count is the hit
                     journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
@@ -418,7 +439,7 @@ class Conductor:
         name, relay = await self.links.relay(lease["datacenter"], dst_dc)
         return {PULL: {**lease, "relay": relay, "link": name, "expected_bytes": expected_bytes}}
 
-    def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any], source: str, destination: str) -> None:
+    def note_transfer(self, journey: Journey, role: RoleName, report: dict[str, Any], source: str, destination: str, model_s: float | None = None) -> None:
         journey.hit_tokens[role.value] = int(report.get("local_hit_tokens", 0))
         journey.transfers.append(
             Transfer(
@@ -432,6 +453,7 @@ class Conductor:
                 queued_seconds=float(report.get("queued_seconds", 0.0)),
                 ok=bool(report.get("ok", True)),
                 error=report.get("error"),
+                model_seconds=model_s,
             )
         )
 

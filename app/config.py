@@ -242,6 +242,15 @@ class LinkConfig(_Strict):
     def key(self) -> tuple[str, str]:
         return link_key(*self.between)
 
+    @property
+    def mean_latency_s(self) -> float:
+        """What a pull waits on this link besides its bytes, on average: RTT, mean jitter, mean stall.
+
+        The configured jitter and stalls are part of the model: a link that behaves
+        exactly as configured must not read as degraded."""
+        jitter_ms = self.jitter.mean_ms if self.jitter.distribution != "none" else 0.0
+        return (self.rtt_ms + jitter_ms + self.stall.probability * self.stall.duration_ms) / 1000
+
 
 def link_key(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a <= b else (b, a)

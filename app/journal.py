@@ -28,6 +28,10 @@ class Transfer:
     """From the pull's start to its last byte."""
     queued_seconds: float = 0.0
     """How long the pull waited for one of the decoder's pull threads before it started."""
+    model_seconds: float | None = None
+    """What the configured link needs for this pull: its mean latency, and its expected bytes
+    sharing the bandwidth with the pulls routed beside it (app.kv.link.LinkShare). None: not
+    a pull routing sized (only WAN pulls are)."""
     ok: bool = True
     error: str | None = None
 

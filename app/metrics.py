@@ -29,6 +29,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: Token-count buckets (handoff sizes, relay lengths).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+SLOWDOWN_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 #: The label every PDD series carries besides its spec's own (see the module doc).
@@ -57,6 +58,12 @@ HANDOFF_TOKENS = _spec("pdd_handoff_tokens", "histogram", "Eager tokens MD recom
 KV_BYTES = _spec("pdd_kv_transfer_bytes", "counter", "KV bytes pulled over each link (source datacenter -> destination).", ("link",))
 KV_SECONDS = _spec("pdd_kv_transfer_seconds", "histogram", "Duration of each KV pull, by link.", ("link",), LATENCY_BUCKETS)
 KV_BLOCKS = _spec("pdd_kv_transfer_blocks", "counter", "KV blocks pulled over each link.", ("link",))
+KV_SLOWDOWN = _spec(
+    "pdd_kv_transfer_slowdown", "histogram",
+    "Each WAN pull's time over what the configured link needs for it beside the pulls sharing it, by link "
+    "(1: the link as configured; a busy link stays near 1, a slow one rises).",
+    ("link",), SLOWDOWN_BUCKETS,
+)
 KV_FAILURES = _spec("pdd_kv_transfer_failures", "counter", "KV pulls that failed or timed out (the decoder recomputed).", ("link", "reason"))
 PREFIX_HIT = _spec("pdd_prefix_hit_ratio", "histogram", "Per-request prompt share found in the engine's own prefix cache, by role.", ("role",), RATIO_BUCKETS)
 PROMPT_TOKENS = _spec("pdd_prompt_tokens", "counter", "Prompt tokens sent to each role.", ("role",))
@@ -70,7 +77,7 @@ IN_FLIGHT = _spec("pdd_requests_in_flight", "gauge", "Requests the conductor is 
 KNOB = _spec("pdd_knob_value", "gauge", "Current value of each numeric live knob (routing.*, handoff.*).", ("knob",))
 
 ALL: tuple[MetricSpec, ...] = (
-    REQUESTS, TTFT, TPOT, MAX_GAP, HANDOFF, HANDOFF_TOKENS, KV_BYTES, KV_SECONDS, KV_BLOCKS, KV_FAILURES,
+    REQUESTS, TTFT, TPOT, MAX_GAP, HANDOFF, HANDOFF_TOKENS, KV_BYTES, KV_SECONDS, KV_BLOCKS, KV_SLOWDOWN, KV_FAILURES,
     PREFIX_HIT, PROMPT_TOKENS, CACHED_TOKENS, RELAY_TOKENS, SINGULAR, SLO_VIOLATIONS, FAILOVERS, LEASES_LIVE, IN_FLIGHT, KNOB,
 )
 
@@ -191,6 +198,8 @@ def record_kv(journey) -> None:
         r.inc(KV_BYTES, t.bytes, link=t.link)
         r.inc(KV_BLOCKS, t.blocks, link=t.link)
         r.observe(KV_SECONDS, t.seconds, link=t.link)
+        if t.ok and t.model_seconds:
+            r.observe(KV_SLOWDOWN, t.seconds / t.model_seconds, link=t.link)
         if not t.ok:
             r.inc(KV_FAILURES, link=t.link, reason=(t.error or "error").split(":")[0])
     journey.recorded_transfers = len(journey.transfers)

@@ -97,6 +97,7 @@ DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ]),
     ("WAN and KV", [
         ("KV transfer seconds p90 by link", "kv_seconds_p90_by_link", "s"),
+        ("WAN slowdown vs the configured link, shared (1: healthy)", "kv_slowdown_mean_by_link", "none"),
         ("KV bytes per transfer by link", "kv_bytes_per_transfer_by_link", "bytes"),
         ("KV pulls/s by link", "kv_transfer_rate_by_link", "ops"),
         ("KV pull failures/s by link", "kv_failure_rate_by_link", "ops"),

@@ -31,6 +31,7 @@ FROM_SWARM: dict[str, str] = {
     "prefix_hit_by_role": "prefix-cache hit ratio (cached / prompt tokens), P (prefill) vs MD (main_decode)",
     "kv_seconds_mean_by_link": "mean seconds per KV pull, by link (`dc-a->dc-b` is the WAN)",
     "kv_seconds_p90_by_link": "p90 seconds per KV pull, by link",
+    "kv_slowdown_mean_by_link": "WAN pulls' seconds over what the configured link needs for them beside the pulls sharing it, by link (1: healthy, however busy)",
     "kv_bytes_per_transfer_by_link": "mean bytes per KV pull, by link",
     "kv_transfer_rate_by_link": "KV pulls per second, by link",
     "kv_failure_rate_by_link": "failed KV pulls per second, by link",

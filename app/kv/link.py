@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import math
 import random
 import time
 from dataclasses import dataclass, field
 
-from app.config import LinkConfig
+from app.config import LinkConfig, PullOrder
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,85 @@ class LinkModel:
         model = LinkModel(LinkConfig.model_validate({**self.config.model_dump(), **figures}))
         model._rng = self._rng
         return model
+
+
+class LinkShare:
+    """The configured link as a fluid model of the pulls on it: each decoder moves up to
+    `slots` pulls at once (its pull threads; the rest wait in `order`), and the pulls
+    moving share the bandwidth equally (as the emulator's interleaved chunks and TCP
+    flows do). A pull's real time against the time it needs here tells a slow link
+    from a busy one; against an idle link's time, four pulls moving together read as
+    four times slower.
+
+    A pull stays in the model until the model has moved its bytes, whatever its real
+    end, as in policy.LinkBacklog."""
+
+    KEEP_FINISHED = 4096
+    """Pulls the model finished that were not reported yet (a cancelled pull never is)."""
+
+    def __init__(self, bytes_per_s: float, slots: int = 8, order: PullOrder = PullOrder.smallest_first):
+        self.bytes_per_s = bytes_per_s
+        self.slots = slots
+        self.order = order
+        self._left: dict[str, float] = {}
+        """Pulls moving in the model -> bytes it has not moved yet."""
+        self._moving_since: dict[str, float] = {}
+        """Pulls moving in the model and not reported yet -> when they began to move."""
+        self._destination: dict[str, str] = {}
+        self._waiting: dict[str, list[tuple[float, int, str]]] = {}
+        """Destination -> pulls waiting for one of its slots: (order key, arrival, pull)."""
+        self._bytes: dict[str, float] = {}
+        self._arrivals = itertools.count()
+        self._finished: dict[str, float] = {}
+        """Pulls the model finished and not reported yet -> seconds they moved."""
+        self._at = 0.0
+
+    def start(self, pull: str, nbytes: int, now: float, destination: str = "") -> None:
+        self._advance(now)
+        self._destination[pull] = destination
+        self._bytes[pull] = float(nbytes)
+        key = float(nbytes) if self.order is PullOrder.smallest_first else 0.0
+        heapq.heappush(self._waiting.setdefault(destination, []), (key, next(self._arrivals), pull))
+        self._admit(destination, now)
+
+    def finish(self, pull: str, now: float) -> float | None:
+        """Seconds `pull` moves in the model, its wait for a slot left out as in a
+        transfer's `seconds` (one still moving or waiting: as if no other pull joined
+        from `now` on); None for a pull it never started."""
+        self._advance(now)
+        if pull in self._finished:
+            return self._finished.pop(pull)
+        if pull in self._moving_since:
+            return now - self._moving_since.pop(pull) + self._left[pull] * len(self._left) / self.bytes_per_s
+        if pull in self._bytes:  # still waiting for a slot in the model
+            return self._bytes[pull] * (len(self._left) + 1) / self.bytes_per_s
+        return None
+
+    def _admit(self, destination: str, at: float) -> None:
+        waiting = self._waiting.get(destination)
+        moving = sum(1 for p in self._left if self._destination[p] == destination)
+        while waiting and moving < self.slots:
+            _, _, pull = heapq.heappop(waiting)
+            self._left[pull] = self._bytes[pull]
+            self._moving_since[pull] = at
+            moving += 1
+
+    def _advance(self, now: float) -> None:
+        t, self._at = self._at, max(now, self._at)
+        while self._left and t < self._at:
+            share = self.bytes_per_s / len(self._left)
+            step = min(self._at - t, min(self._left.values()) / share)
+            t += step
+            for pull in list(self._left):
+                self._left[pull] -= step * share
+                if self._left[pull] <= 1e-6:
+                    del self._left[pull]
+                    del self._bytes[pull]
+                    if pull in self._moving_since:
+                        self._finished[pull] = t - self._moving_since.pop(pull)
+                    self._admit(self._destination.pop(pull), t)
+        while len(self._finished) > self.KEEP_FINISHED:
+            self._finished.pop(next(iter(self._finished)))
 
 
 @dataclass

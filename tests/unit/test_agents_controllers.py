@@ -121,6 +121,30 @@ def test_wan_links_compare_with_the_link_model():
     assert link.slowdown == pytest.approx(10)
 
 
+def _situations(snap, config):
+    from agents.diagnose import diagnose
+    from agents.memory import Memory
+
+    return diagnose(snap, config, config.agents, config.live_knobs(), Memory(), snap.at)[0]
+
+
+def test_wan_links_judge_pulls_against_the_link_shared_as_it_was():
+    """Pulls 3x an idle link's time on a link shared by three at once are healthy: the
+    conductor's per-pull slowdown (vs LinkShare) decides, not the idle link's time."""
+    config = pdd_config()
+    idle = f.expected_pull_s(config.link("dc-a", "dc-b"), 100_000)
+    busy = healthy_snapshot(kv_seconds_mean_by_link={WAN: 3 * idle}, kv_slowdown_mean_by_link={WAN: 1.05})
+    [link] = f.wan_links(busy, config)
+    assert link.shared and link.slowdown == pytest.approx(1.05) and link.expected_s == pytest.approx(3 * idle / 1.05)
+    assert _situations(busy, config) == []
+    slow = healthy_snapshot(kv_seconds_mean_by_link={WAN: 3 * idle}, kv_slowdown_mean_by_link={WAN: 3.0})
+    [found] = _situations(slow, config)
+    assert found.name == "wan_degradation" and "3.0x slower" in found.summary
+    assert "slowdown" in found.evidence[1].query and found.evidence[1].value == 3.0
+    [idle_judged] = f.wan_links(healthy_snapshot(kv_seconds_mean_by_link={WAN: 3 * idle}), config)
+    assert not idle_judged.shared and idle_judged.slowdown == pytest.approx(3.0)  # no sized pulls: an idle link's time
+
+
 def test_wan_links_expect_the_configured_jitter_and_stalls():
     """A link behaving exactly as configured, jitter and stalls included, is not degraded."""
     args = pdd_args()

@@ -208,6 +208,35 @@ def test_relay_paces_to_the_link_bandwidth(source):
         relay.close()
 
 
+def test_pulls_sharing_a_healthy_link_take_what_its_shared_model_says(source):
+    """Four pulls started together through the emulator: each takes about four times an idle
+    link's time, and what LinkShare (the conductor's yardstick for the agents) says."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.kv.link import LinkShare
+
+    _, layout, leases, server = source
+    config = LinkConfig(between=("a", "b"), bandwidth_mbps=40, rtt_ms=20)
+    relay = RelayThread(config)
+    blocks = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    share = LinkShare(config.bandwidth_mbps * 1e6 / 8)
+    try:
+        for i, ids in enumerate(blocks):
+            leases.add(f"l{i}", ids, consumers=1, ttl_s=30)
+            share.start(f"p{i}", len(ids) * layout.block_nbytes, now=0.0)
+        dst = KVLayout.from_caches(caches(9), NUM_BLOCKS)
+        with ThreadPoolExecutor(len(blocks)) as pool:
+            results = list(pool.map(lambda i: pull_blocks(spec(server, f"l{i}", [0, 1, 2], blocks[i], relay=("127.0.0.1", relay.port)), dst, 2, 30), range(len(blocks))))
+    finally:
+        relay.close()
+    assert all(r.ok for r in results)
+    idle = config.mean_latency_s + 3 * layout.block_nbytes / (40e6 / 8)
+    shared = [config.mean_latency_s + share.finish(f"p{i}", now=60.0) for i in range(len(blocks))]
+    slowdowns = [r.seconds / s for r, s in zip(results, shared, strict=True)]
+    assert sum(r.seconds for r in results) / len(results) >= 2.5 * idle  # against an idle link: "2.5x slower", though healthy
+    assert 0.75 <= sum(slowdowns) / len(slowdowns) < 2.0, slowdowns  # under the agents' WAN_SLOWDOWN entry
+
+
 def test_a_degraded_link_paces_to_its_new_figures_until_restored(source):
     _, layout, leases, server = source
     leases.add("l", list(range(8)), consumers=2, ttl_s=30)
