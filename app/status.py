@@ -78,7 +78,7 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         for p in sorted(set(snapshot.request_rate_by_pipeline) | set(snapshot.ttft_p_by_pipeline)):
             slo.add_row(
                 p,
-                f"{snapshot.request_rate_by_pipeline.get(p, 0):.2f}",
+                _rate(snapshot.request_rate_by_pipeline.get(p, 0)),
                 _judged(_sec_ms(snapshot.ttft_p_by_pipeline.get(p)), targets["ttft_ms"]),
                 _ms(snapshot.ttft_p99_by_pipeline.get(p)),
                 _judged(_sec_ms(snapshot.tpot_p_by_pipeline.get(p)), targets["tpot_ms"]),
@@ -105,15 +105,30 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
     return Group(Panel(header), roles, links, slo, *extra)
 
 
+def _rate(per_s: float) -> str:
+    """Two decimals, or two significant digits below 0.1/s (a quiet app's 0.0083 is not 0.00)."""
+    return f"{per_s:.2f}" if per_s >= 0.1 or per_s == 0 else f"{per_s:.2g}"
+
+
 def _sec_ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
 def show(url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME) -> None:
     state = fetch_state(url)
-    snapshot, note = None, ""
     try:
-        snapshot = fetch_snapshot(prometheus_url, config, app_name)
+        snapshot, note = figures_to_show(state, fetch_snapshot(prometheus_url, config, app_name))
     except Exception as err:  # noqa: BLE001 - the state alone is still worth showing
-        note = f"Prometheus unavailable ({str(err)[:120]}); figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
+        snapshot, note = None, f"Prometheus unavailable ({str(err)[:120]}); figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
     console.print(render(state, snapshot, note))
+
+
+def figures_to_show(state: dict[str, Any], snapshot: Any) -> tuple[Any | None, str]:
+    """Prometheus' figures, or the conductor's own while Prometheus has no request rate
+    although the conductor served requests: a rate needs two scrapes of a series, so the
+    requests before a series' first scrape (a new app's first ones) never show in it."""
+    served = state["slo"]["recent"]["by_pipeline"]
+    if served and not any(rate > 0 for rate in snapshot.request_rate_by_pipeline.values()):
+        return None, (f"Prometheus shows no request rate yet (it counts from a series' second scrape); "
+                      f"figures below are the conductor's last {state['slo']['recent']['window_s']:g} s")
+    return snapshot, ""

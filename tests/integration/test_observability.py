@@ -154,12 +154,24 @@ def test_state_endpoint(app, traffic):
 
 
 def test_pdd_status_prints_the_figures(app, prom, traffic):
-    result = CliRunner().invoke(pdd, ["status", "--url", app.base_url, "--prometheus", prom.url, "--app-name", APP], env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
-    out = result.output
-    for expected in ("pdd-dev", "mode pdd", "main_decode", "dc-b", "dc-a->dc-b", "P-RLD-MD", "P-MD", "prefix hit"):
+    def status() -> str:
+        result = CliRunner().invoke(pdd, ["status", "--url", app.base_url, "--prometheus", prom.url, "--app-name", APP], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        assert "Prometheus unavailable" not in result.output
+        return result.output
+
+    # one request per pipeline so far: each series' first scrape is its baseline, Prometheus has no rate
+    out = status()
+    for expected in ("pdd-dev", "mode pdd", "main_decode", "dc-b", "dc-a->dc-b", "P-RLD-MD", "P-MD", "Prometheus shows no request rate yet"):
         assert expected in out, (expected, out)
-    assert "Prometheus unavailable" not in out
+    colocated = f'{metrics.prom_name(metrics.REQUESTS)}{{application="{APP}", pipeline="colocated"}}'
+    assert prom.wait_for(colocated, timeout_s=90)  # scraped once: the next request makes a rate
+    completion(app, [random.randrange(10, 500) for _ in range(300)], 4, mode="colocated")
+    assert prom.wait_for(f"sum(rate({colocated}[120s])) > 0", timeout_s=90)
+    out = status()
+    assert "prefix hit" in out and "Prometheus shows no request rate yet" not in out, out
+    row = next(line for line in out.splitlines() if line.startswith("│ colocated"))
+    assert float(row.split("│")[2]) > 0, row  # 1 request in the 120 s window: 0.0083/s, not 0.00
 
 
 def test_pdd_status_without_prometheus_still_shows_state(app, traffic):

@@ -54,3 +54,18 @@ def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_j
     console.print(render(state, None))
     row = next(line for line in console.export_text().splitlines() if "P-MD" in line)
     assert row.split("│")[3].strip() == "96"  # the p95 column shows p95 (over the 95.5 ms target), not p90's 91
+
+
+def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_yet():
+    from agents.observe import Snapshot
+    from app.status import figures_to_show
+
+    recent = {"window_s": 300, "by_pipeline": {"P-MD": {"requests": 3}}}
+    state = {"slo": {"recent": recent}}
+    first_scrape = Snapshot(at=0.0, window_s=300, request_rate_by_pipeline={"P-MD": 0.0})
+    snapshot, note = figures_to_show(state, first_scrape)
+    assert snapshot is None and "conductor's last 300 s" in note
+    running = Snapshot(at=0.0, window_s=300, request_rate_by_pipeline={"P-MD": 0.02})
+    assert figures_to_show(state, running) == (running, "")
+    idle = {"slo": {"recent": {"window_s": 300, "by_pipeline": {}}}}
+    assert figures_to_show(idle, first_scrape) == (first_scrape, "")
