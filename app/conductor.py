@@ -335,14 +335,18 @@ class Conductor:
             share = self.shares[link] = LinkShare(self._link_backlog(link).bytes_per_s, kv.concurrent_pulls, kv.pull_order)
         return share
 
-    def _model_seconds(self, pull: dict[str, Any], request: EngineRequest) -> float | None:
-        """What the configured link needs for this pull beside the others routed onto it."""
+    def _model_seconds(self, pull: dict[str, Any], request: EngineRequest, moved_bytes: int) -> float | None:
+        """What the configured link needs for this pull beside the others routed onto it.
+
+        The model moved the bytes routing expected; the pull moved `moved_bytes` (more when
+        the decoder's cache held less than estimated): the model's share of the bandwidth
+        applies to those."""
         share = self.shares.get(pull.get("link", ""))
         shared_s = share.finish(request.request_id, time.monotonic()) if share is not None else None
         if shared_s is None:
             return None
         src, dst = pull["link"].split("->")
-        return self.config.link(src, dst).mean_latency_s + shared_s
+        return self.config.link(src, dst).mean_latency_s + shared_s * moved_bytes / int(pull["expected_bytes"])
 
     def backlog(self, link: str) -> int:
         """KV bytes still queued on a link ("dc-a->dc-b"), by its configured model."""
@@ -360,7 +364,7 @@ class Conductor:
             async for delta in stream:
                 check(delta, role)
                 if delta.transfer is not None:
-                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip, self._model_seconds(pull, request))
+                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip, self._model_seconds(pull, request, int(delta.transfer.get("bytes", 0))))
                 journey.note_first_token(role.value, delta, replace=False)
                 if delta.finished:  # no pull (all cached): the engine's own count is the hit
                     journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)

@@ -75,3 +75,16 @@ async def test_a_client_leaving_ends_the_engine_stream_before_close_returns(cond
     await outputs.aclose()
     assert conductor.engines.open == set()
     assert conductor.journal.get("req-1").finish_reason is None
+
+
+def test_a_pull_is_judged_on_the_bytes_it_moved_at_the_share_the_model_gave_it(conductor):
+    """Routing expected 1 MB; the decoder's cache held less and it moved 2 MB: a healthy
+    link needs twice the modelled transfer, plus its latency, for that."""
+    link = "dc-a->dc-b"
+    config = conductor.config.link("dc-a", "dc-b")
+    bytes_per_s = config.bandwidth_mbps * 1e6 / 8
+    request = _request([])
+    conductor._link_share(link).start(request.request_id, 1_000_000, now=0.0, destination="md-0")
+    pull = {"link": link, "expected_bytes": 1_000_000}
+    assert conductor._model_seconds(pull, request, 2_000_000) == pytest.approx(config.mean_latency_s + 2 * 1_000_000 / bytes_per_s)
+    assert conductor._model_seconds({"link": "dc-b->dc-a", "expected_bytes": 10}, request, 10) is None  # no pull routed there
