@@ -139,7 +139,8 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
         except KeyError:
             continue
         slowdown = snap.kv_slowdown_mean_by_link.get(label)
-        if slowdown is not None and slowdown > 0:
+        shared = slowdown is not None and slowdown > 0
+        if shared:
             expected = mean_s / slowdown
         else:
             expected = expected_pull_s(link, snap.kv_bytes_per_transfer_by_link.get(label, 0.0))
@@ -154,7 +155,7 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
                 p90_s=snap.kv_seconds_p90_by_link.get(label),
                 failure_ratio=fails / pulls if pulls > 0 else (1.0 if fails > 0 else 0.0),
                 slowdown=slowdown,
-                shared=label in snap.kv_slowdown_mean_by_link,
+                shared=shared,
             )
         )
     return out

@@ -19,7 +19,7 @@ from msgspec.structs import replace
 from tokenizers import Tokenizer
 
 from app import metrics
-from app.config import LiveKnobs, Mode, PDDConfig, RoleName
+from app.config import LinkConfig, LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
 from app.journal import Journal, Journey, Transfer, slo_summary
@@ -321,18 +321,21 @@ class Conductor:
             self.index.observe(replica.replica_id, prompt_keys if prompt_keys is not None else keys, actual_hit)
         self.index.record(replica.replica_id, keys, replica.num_kv_blocks)
 
+    def _link_config(self, link: str) -> LinkConfig:
+        """The configured link of a direction name ("dc-a->dc-b")."""
+        return self.config.link(*link.split("->"))
+
     def _link_backlog(self, link: str) -> LinkBacklog:
         backlog = self.backlogs.get(link)
         if backlog is None:
-            src, dst = link.split("->")
-            backlog = self.backlogs[link] = LinkBacklog(self.config.link(src, dst).bandwidth_mbps * 1e6 / 8)
+            backlog = self.backlogs[link] = LinkBacklog(self._link_config(link).bandwidth_mbps * 1e6 / 8)
         return backlog
 
     def _link_share(self, link: str) -> LinkShare:
         share = self.shares.get(link)
         if share is None:
             kv = self.config.kv
-            share = self.shares[link] = LinkShare(self._link_backlog(link).bytes_per_s, kv.concurrent_pulls, kv.pull_order)
+            share = self.shares[link] = LinkShare(self._link_config(link).bandwidth_mbps * 1e6 / 8, kv.concurrent_pulls, kv.pull_order)
         return share
 
     def _model_seconds(self, pull: dict[str, Any], request: EngineRequest, moved_bytes: int) -> float | None:
@@ -345,8 +348,7 @@ class Conductor:
         shared_s = share.finish(request.request_id, time.monotonic()) if share is not None else None
         if shared_s is None:
             return None
-        src, dst = pull["link"].split("->")
-        return self.config.link(src, dst).mean_latency_s + shared_s * moved_bytes / int(pull["expected_bytes"])
+        return self._link_config(pull["link"]).mean_latency_s + shared_s * moved_bytes / int(pull["expected_bytes"])
 
     def backlog(self, link: str) -> int:
         """KV bytes still queued on a link ("dc-a->dc-b"), by its configured model."""
