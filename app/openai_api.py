@@ -149,6 +149,22 @@ class ChatCompletionRequest(_SamplingFields):
     functions: _unsupported(_TEXT_ONLY, []) = None
     function_call: _unsupported(_TEXT_ONLY, "none") = None
     response_format: _unsupported(_TEXT_ONLY, {"type": "text"}) = None
+    modalities: _unsupported(_TEXT_ONLY, ["text"]) = None
+    audio: _unsupported(_TEXT_ONLY) = None
+    web_search_options: _unsupported("no web search") = None
+    prediction: _unsupported("no predicted outputs") = None
+    moderation: _unsupported("no moderation") = None
+    reasoning_effort: _unsupported("not a reasoning model") = None
+    verbosity: _unsupported("not a reasoning model") = None
+    store: _unsupported("completions are not stored", False) = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
+        default=None, description="Accepted for clients that tag requests; not stored")
+    service_tier: _unsupported("one service tier", "auto", "default") = None
+    prompt_cache_key: str | None = Field(
+        default=None, description="Accepted; routing finds cached prefixes from the prompt itself")
+    prompt_cache_retention: _unsupported("cached prefixes live while engines keep them", "in_memory") = None
+    prompt_cache_options: _unsupported("cached prefixes live while engines keep them") = None
+    safety_identifier: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

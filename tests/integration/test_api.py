@@ -178,6 +178,7 @@ def test_unknown_model_is_404(client):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
         ({"frobnicate": True}, "frobnicate"),
+        ({"metadata": {"team": 7}}, "metadata.team"),
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"seed": 2**70}, "seed"),
         ({"pdd_mode": "teleport"}, "pdd_mode"),
@@ -202,7 +203,10 @@ def test_values_served_only_as_default_are_refused_with_the_reason(app):
 def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_by_name(app):
     # what SDKs send by default (langchain's completion LLM sends logprobs: null)
     chat_neutral = {"logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-                    "response_format": {"type": "text"}, "logit_bias": {}, "functions": None}
+                    "response_format": {"type": "text"}, "logit_bias": {}, "functions": None,
+                    # what tagging and cache-hinting clients add
+                    "store": False, "metadata": {"team": "search"}, "service_tier": "auto", "modalities": ["text"],
+                    "prompt_cache_key": "session-1", "safety_identifier": "user-1", "reasoning_effort": None}
     ok = _post(app, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **chat_neutral})
     assert ok.status_code == 200, ok.text
     ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
@@ -211,6 +215,9 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
         ("/v1/chat/completions", "logprobs", True, "not supported (no log probabilities are returned); leave it out or send null or false"),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (this server returns plain text)"),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}, "not supported (this server returns plain text)"),
+        ("/v1/chat/completions", "store", True, "not supported (completions are not stored); leave it out or send null or false"),
+        ("/v1/chat/completions", "reasoning_effort", "high", "not supported (not a reasoning model); leave it out or send null"),
+        ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
         ("/v1/completions", "logprobs", 1, "not supported (no log probabilities are returned); leave it out or send null"),
         ("/v1/completions", "echo", True, "not supported (the prompt is not repeated)"),
         ("/v1/completions", "best_of", True, "not supported (one choice per request); leave it out or send null or 1"),
