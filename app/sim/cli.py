@@ -184,9 +184,10 @@ def calibrate(
     out: Path | None = typer.Option(None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
-    """Measure one real engine of CONFIG (prefill, prefill after a cached prefix, decode) and fit the twin's step-time model;
-    with --from-app, fit that model per role to the steps a running app's engines timed while serving (and how busy engines on one host slow
-    each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost."""
+    """Fit the twin's step-time model to one real engine of CONFIG, or (--from-app) to a running app's engines.
+
+    Alone: measure prefill, prefill after a cached prefix, and decode. With --from-app: fit that model per role to the steps the app's engines timed while serving (and how busy engines on one host slow each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost.
+    """
     from app.sim.calibrate import (app_journeys, decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull,
                                    with_serving_overhead)
     from app.sim.calibrate import calibrate as fit
