@@ -51,13 +51,19 @@ def faults_cycle(f: Faults):
 
 
 def serving_processes() -> dict[int, str]:
-    out = {}
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    """pid -> what it is: a replica, or an engine core named with the replica that started it."""
+    replicas, engines = {}, []
+    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline"]):
         name = p.info["name"] or ""
         cmd = " ".join(p.info["cmdline"] or [])
-        if name.startswith("VLLM::") or "ServeReplica:soak" in cmd:
-            out[p.info["pid"]] = name if name.startswith("VLLM::") else cmd.split()[0]
-    return out
+        if name.startswith("VLLM::"):
+            engines.append(p.info)
+        elif "ServeReplica:soak" in cmd:
+            replicas[p.info["pid"]] = cmd.split()[0].removeprefix("ray::")
+    for e in engines:
+        parent = replicas.get(e["ppid"], f"pid {e['ppid']}")
+        replicas[e["pid"]] = f"{e['name']} of {parent}"
+    return replicas
 
 
 def rss(pids) -> dict[int, int]:
@@ -70,7 +76,7 @@ def rss(pids) -> dict[int, int]:
     return got
 
 
-async def client_loop(url: str, stop_at: float, rng: random.Random, timeout_s: float, outcomes: list[dict]) -> None:
+async def client_loop(url: str, origin: float, stop_at: float, rng: random.Random, timeout_s: float, outcomes: list[dict]) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout_s) as http:
@@ -119,9 +125,27 @@ async def client_loop(url: str, stop_at: float, rng: random.Random, timeout_s: f
                 record.update(outcome="failed", detail=type(exc).__name__)
             record["tokens"] = len(output)
             record["latency_s"] = time.monotonic() - t0
+            record["start_s"], record["end_s"] = t0 - origin, time.monotonic() - origin
             outcomes.append(record)
             if record["outcome"] == "completed":
                 conversation = prompt + output
+
+
+def fault_impact(outcomes: list[dict], injected: list[tuple[float, str]]) -> list[dict]:
+    """What each fault cost the requests in flight when it struck, beside the requests no fault touched."""
+
+    def impact(label: str, group: list[dict]) -> dict:
+        gaps = [o["max_gap_s"] * 1000 for o in group if o["outcome"] == "completed"]
+        return {"requests": label, "n": len(group), "completed": len(gaps),
+                "failed": sum(o["outcome"] == "failed" for o in group), "lost": sum(o["outcome"] == "lost" for o in group),
+                "worst gap median ms": percentile(gaps, 50) if gaps else float("nan"), "worst gap max ms": max(gaps, default=float("nan"))}
+
+    rows, touched = [], set()
+    for at, name in injected:
+        hit = [i for i, o in enumerate(outcomes) if o["start_s"] <= at <= o["end_s"]]
+        touched.update(hit)
+        rows.append(impact(f"{name} (at {at:.0f} s)", [outcomes[i] for i in hit]))
+    return [impact("no fault in flight", [o for i, o in enumerate(outcomes) if i not in touched]), *rows]
 
 
 def main() -> None:
@@ -142,15 +166,16 @@ def main() -> None:
     with LocalApp(args, name="soak") as app:
         wait_http(f"{app.base_url}/health")
         f = Faults("soak", seed=0)
-        before = rss(serving_processes())
+        processes = serving_processes()
+        before = rss(processes)
 
         async def run() -> None:
             start = time.monotonic()
             stop_at = start + a.duration
             rng = random.Random(0)
-            clients = [asyncio.create_task(client_loop(app.base_url, stop_at, random.Random(rng.random()), a.request_timeout, outcomes)) for _ in range(a.clients)]
+            clients = [asyncio.create_task(client_loop(app.base_url, start, stop_at, random.Random(rng.random()), a.request_timeout, outcomes)) for _ in range(a.clients)]
             for name, fault in faults_cycle(f):
-                await asyncio.sleep(a.interval)
+                await asyncio.sleep(min(a.interval, max(0.0, stop_at - time.monotonic())))
                 if time.monotonic() >= stop_at - 5:
                     break
                 try:
@@ -183,6 +208,16 @@ def main() -> None:
         table.add_column(col, justify="right")
     table.add_row(*(str(round(summary[k], 1)) for k in ("completed", "failed", "lost", "faults", "gap_p99_ms", "mem_growth_pct_max", "processes_measured")))
     console.print(table)
+    impacts = fault_impact(outcomes, injected)
+    summary["by_fault"] = impacts
+    per_fault = Table(title="requests in flight when each fault struck")
+    for col in impacts[0]:
+        per_fault.add_column(col, justify="left" if col == "requests" else "right")
+    for row in impacts:
+        per_fault.add_row(*(v if isinstance(v, str) else f"{v:.0f}" for v in row.values()))
+    console.print(per_fault)
+    for pid in sorted(survivors, key=lambda p: -growth[p]):
+        console.print(f"RSS {processes[pid]} (pid {pid}): {before[pid] / 2**20:.0f} -> {after[pid] / 2**20:.0f} MiB ({growth[pid]:+.1f}%)")
     for o in lost[:10]:
         console.print(f"[red]lost[/red]: {o['detail']}")
     reasons: dict[str, int] = {}
@@ -194,12 +229,23 @@ def main() -> None:
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, (cdf, timeline) = plt.subplots(1, 2, figsize=(13, 4))
         xs = sorted(o["max_gap_s"] * 1000 for o in done)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
-        ax.set_xscale("log")
-        ax.set_xlabel("worst inter-token gap per completed request (ms)")
-        ax.set_title(f"{len(done)} completed, {len(failed)} failed, {len(lost)} lost; {len(injected)} faults")
+        cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
+        cdf.set_xscale("log")
+        cdf.set_xlabel("worst inter-token gap per completed request (ms)")
+        cdf.set_ylabel("fraction of completed requests")
+        cdf.set_title(f"{len(done)} completed, {len(failed)} failed, {len(lost)} lost; {len(injected)} faults")
+        timeline.scatter([o["start_s"] for o in done], [o["max_gap_s"] * 1000 for o in done], s=6, label="completed")
+        if failed:
+            timeline.scatter([o["start_s"] for o in failed], [max(o["max_gap_s"] * 1000, 1) for o in failed], s=12, marker="x", color="red", label="failed")
+        for at, name in injected:
+            timeline.axvline(at, color="grey", linestyle=":")
+            timeline.annotate(name, (at, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7)
+        timeline.set_yscale("log")
+        timeline.set_xlabel("request start (s into the soak)")
+        timeline.set_ylabel("worst inter-token gap (ms)")
+        timeline.legend(loc="lower right", fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
