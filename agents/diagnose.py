@@ -23,6 +23,7 @@ from app.config import AgentsConfig, LiveKnobs, PDDConfig, RoleName
 RLD_OVERLOAD = "rld_overload"
 MD_HIT_BEHIND = "md_hit_behind"
 WAN_DEGRADATION = "wan_degradation"
+WAN_SATURATED = "wan_saturated"
 BATHTUB_VALLEY = "bathtub_valley"
 TTFT_BREACH = "ttft_slo_breach"
 TPOT_BREACH = "tpot_slo_breach"
@@ -35,6 +36,7 @@ SPECIALISTS: dict[str, tuple[str, ...]] = {
     RLD_OVERLOAD: ("handoff", "capacity"),
     MD_HIT_BEHIND: ("routing", "capacity"),
     WAN_DEGRADATION: ("routing", "handoff"),
+    WAN_SATURATED: ("clerk",),
     BATHTUB_VALLEY: ("routing", "capacity"),
     TTFT_BREACH: ("capacity",),
     TPOT_BREACH: ("capacity",),
@@ -54,7 +56,11 @@ HIT_GAP = (0.15, 0.08)
 WAN_SLOWDOWN = (2.0, 1.3)
 """Observed mean pull time / what the configured link model predicts."""
 WAN_FAILURES = (0.05, 0.01)
-"""Failed pulls / pulls."""
+"""Pulls the link broke / pulls."""
+WAN_UTILISATION = (0.9, 0.75)
+"""KV bytes per second over a link / its configured bandwidth."""
+LEASES_GONE = (0.05, 0.01)
+"""Pulls that found their lease expired (they waited past kv.lease_timeout_s) / pulls."""
 VALLEY_SHARE = (0.3, 0.2)
 """Share of MD requests with a prefix hit inside figures.VALLEY."""
 VALLEY_GAP = (1.0, 0.8)
@@ -100,6 +106,7 @@ class _Diagnosis:
     def __init__(self, snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float):
         self.snap, self.config, self.agents, self.knobs, self.memory, self.now = snap, config, agents, knobs, memory, now
         self.found: list[Situation] = []
+        self.saturated: list[f.LinkHealth] = []
 
     def past(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
         """Above the entry threshold, or above the exit threshold while already active."""
@@ -119,7 +126,7 @@ class _Diagnosis:
         return self.snap.query(name)
 
     def run(self) -> list[Situation]:
-        for check in (self.rld, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash):
+        for check in (self.rld, self.saturation, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash):
             check()
         if not any(s.severity for s in self.found):
             self.spare()
@@ -147,8 +154,29 @@ class _Diagnosis:
                 Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
             ], severity=2)
 
+    def saturation(self) -> None:
+        for link in f.wan_links(self.snap, self.config):
+            key = f"{WAN_SATURATED}:{link.link}"
+            full = self.past(key, link.utilisation, WAN_UTILISATION)
+            expiring = self.past(key, link.lease_gone_ratio, LEASES_GONE)
+            if not (full or expiring):
+                continue
+            self.saturated.append(link)
+            bandwidth = f"{link.bandwidth_mbps:g} Mbit/s"
+            self.add(WAN_SATURATED, f"{link.link}: KV fills {link.utilisation:.0%} of its {bandwidth}; "
+                     f"{link.lease_gone_ratio:.0%} of pulls waited past their lease (the decoder recomputes those prompts)", [
+                Evidence(query=f"{self.q('kv_transfer_rate_by_link')} x {self.q('kv_bytes_per_transfer_by_link')} x 8 / bandwidth",
+                         value=link.utilisation, threshold=WAN_UTILISATION[0], note=f"{link.link} utilisation of {bandwidth}"),
+                Evidence(query=f"{self.q('kv_lease_gone_rate_by_link')} / {self.q('kv_transfer_rate_by_link')}",
+                         value=link.lease_gone_ratio, threshold=LEASES_GONE[0], note="pulls whose lease expired while they waited"),
+                Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, note="pull time / the link model's: near 1, the link itself is as configured"),
+                Evidence(query=self.q("kv_seconds_p90_by_link"), value=link.p90_s, note="pull seconds p90"),
+            ], subject=link.link)
+
     def hit(self) -> None:
         gap = f.hit_gap(self.snap)
+        if self.saturated:
+            return  # MD's warm-up pulls wait on the full link: more MD cache would not raise its hit
         if self.past(MD_HIT_BEHIND, gap, HIT_GAP):
             self.add(MD_HIT_BEHIND, f"MD prefix hit trails P's by {gap:.0%}", [
                 Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("prefill"), note="prefill"),
@@ -241,14 +269,18 @@ class _Diagnosis:
             fails = self.snap.health_check_failures_by_deployment.get(dep, 0.0)
             key = f"{REPLICA_CRASH}:{dep}"
             short = healthy is not None and target is not None and healthy < target
-            scaled_at = self.memory.last_change.get(replica_target(role))
-            starting = scaled_at is not None and self.now - scaled_at < self.agents.verify_after_s
+            starting = self.grown_within(role, self.agents.replica_start_s)
             if fails > 0 or (short and (not starting or key in self.memory.streaks)):
                 self.add(REPLICA_CRASH, f"{dep}: {healthy or 0:.0f} of {target or 0:.0f} replicas healthy, {fails:.0f} failed health checks", [
                     Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, threshold=target, note=dep),
                     Evidence(query=self.q("replicas_target_by_deployment"), value=target, note=dep),
                     Evidence(query=self.q("health_check_failures_by_deployment"), value=fails, note=dep),
                 ], subject=dep, severity=2)
+
+    def grown_within(self, role: RoleName, seconds: float) -> bool:
+        """Whether the agents added a replica of `role` in the last `seconds`."""
+        grown_at = self.memory.raised.get(replica_target(role))
+        return grown_at is not None and self.now - grown_at < seconds
 
     def spare(self) -> None:
         score = f.slo_score(f.slo_figures(self.snap, self.config.slo))
@@ -258,7 +290,9 @@ class _Diagnosis:
         for role in self.config.roles.present():
             load = f.role_load(self.snap, self.config, role)
             healthy = self.snap.replicas_healthy_by_deployment.get(f.deployment(role), 0)
-            if load is not None and load < IDLE_LOAD and healthy > 1:
+            # a replica just added has not drawn its share yet (conversations stay where their cache is)
+            settling = self.grown_within(role, self.agents.replica_start_s + self.agents.cooldown_s)
+            if load is not None and load < IDLE_LOAD and healthy > 1 and not settling:
                 idle.append((role, load))
         if idle:
             self.add(OVER_PROVISIONED, f"SLO score {score:.2f}; idle roles: {', '.join(f'{r.value} {load:.0%}' for r, load in idle)}", [

@@ -102,12 +102,19 @@ class LinkHealth:
     """What the configured link needs for these pulls, each beside the pulls that shared it."""
     p90_s: float | None
     failure_ratio: float
+    """Pulls the link broke (cut, reset, timed out) / pulls; leases gone before their pull are not counted."""
     slowdown: float
     """Observed / expected: 1 on a link as configured, however busy."""
     shared: bool = True
     """Whether `expected_s` counts the pulls sharing the link (the conductor's model of each
     pull); without it (no pull routing sized: pd_cross_dc_naive), an idle link's time for the
     mean pull, which a busy link exceeds."""
+    bandwidth_mbps: float = 0.0
+    """The configured bandwidth."""
+    utilisation: float = 0.0
+    """Bytes pulled per second / the configured bandwidth."""
+    lease_gone_ratio: float = 0.0
+    """Pulls that found their lease gone (expired while they waited) / pulls."""
 
 
 def expected_pull_s(link: LinkConfig, nbytes: float) -> float:
@@ -146,7 +153,8 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
             expected = expected_pull_s(link, snap.kv_bytes_per_transfer_by_link.get(label, 0.0))
             slowdown = mean_s / expected if expected > 0 else 1.0
         pulls = snap.kv_transfer_rate_by_link.get(label, 0.0)
-        fails = snap.kv_failure_rate_by_link.get(label, 0.0)
+        gone = snap.kv_lease_gone_rate_by_link.get(label, 0.0)
+        fails = max(0.0, snap.kv_failure_rate_by_link.get(label, 0.0) - gone)
         out.append(
             LinkHealth(
                 link=label,
@@ -156,6 +164,9 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
                 failure_ratio=fails / pulls if pulls > 0 else (1.0 if fails > 0 else 0.0),
                 slowdown=slowdown,
                 shared=shared,
+                bandwidth_mbps=link.bandwidth_mbps,
+                utilisation=pulls * snap.kv_bytes_per_transfer_by_link.get(label, 0.0) * 8 / (link.bandwidth_mbps * 1e6),
+                lease_gone_ratio=gone / pulls if pulls > 0 else 0.0,
             )
         )
     return out

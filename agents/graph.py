@@ -289,7 +289,7 @@ def build_graph(deps: Deps) -> StateGraph:
         applied, failed = _apply(deps.actuator, [p.change for p in changes], knobs)
         entries = state.get("entries", {})
         for change in applied:
-            memory.last_change[change.target] = now
+            _note_change(memory, change, now)
             _update_entry(state, change.target, now, f"applied{who}; verify after {agents.verify_after_s:g} s")
         for change, err in failed:
             _update_entry(state, change.target, now, f"failed: {err}")
@@ -330,7 +330,7 @@ def build_graph(deps: Deps) -> StateGraph:
                 continue
             applied, failed = _apply(deps.actuator, v.rollback, knobs)
             for change in applied:
-                memory.last_change[change.target] = now
+                _note_change(memory, change, now)
                 way = direction(change.reverse())
                 last = memory.blocked.get(change.target)
                 strikes = last.strikes + 1 if last is not None and last.direction == way else 1
@@ -412,6 +412,12 @@ def build_graph(deps: Deps) -> StateGraph:
     g.add_edge("verify", "record")
     g.add_edge("record", END)
     return g
+
+
+def _note_change(memory: Memory, change: Change, now: float) -> None:
+    memory.last_change[change.target] = now
+    if direction(change) > 0:
+        memory.raised[change.target] = now
 
 
 def _apply(actuator: Actuator, changes: list[Change], knobs: LiveKnobs) -> tuple[list[Change], list[tuple[Change, Exception]]]:

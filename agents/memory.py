@@ -49,6 +49,9 @@ class Block(BaseModel):
 class Memory(BaseModel):
     last_change: dict[str, float] = {}
     """Target -> time it last changed (or was rolled back)."""
+    raised: dict[str, float] = {}
+    """Target -> time a change (or rollback) last raised it: a replica just added
+    comes up and draws its share of the load only after a while (diagnose)."""
     noted: dict[str, float] = {}
     """Target -> time a proposal for it was last filed without acting (observe, advise):
     cooldowns count from it too, so an unchanged cluster does not get the same entry every tick."""

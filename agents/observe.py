@@ -50,6 +50,9 @@ class Snapshot(BaseModel):
     kv_bytes_per_transfer_by_link: dict[str, float] = {}
     kv_transfer_rate_by_link: dict[str, float] = {}
     kv_failure_rate_by_link: dict[str, float] = {}
+    """Failed pulls per second, whatever the reason (lease gone included)."""
+    kv_lease_gone_rate_by_link: dict[str, float] = {}
+    """Pulls per second that found their lease gone (transport.LeaseGone)."""
     relay_tokens_p90: float | None = None
     singular_rate: float | None = None
     leases_live: float | None = None

@@ -93,6 +93,7 @@ class QuerySet:
             ),
             Query("kv_transfer_rate_by_link", f"sum by (link) ({r(m.KV_SECONDS, '_count')})", "link"),
             Query("kv_failure_rate_by_link", f"sum by (link) ({r(m.KV_FAILURES)})", "link"),
+            Query("kv_lease_gone_rate_by_link", f"sum by (link) ({r(m.KV_FAILURES, reason=m.KV_LEASE_GONE)})", "link"),
             Query("relay_tokens_p90", self._quantile(0.9, m.RELAY_TOKENS)),
             Query("singular_rate", f"sum({r(m.SINGULAR)})"),
             Query("leases_live", f"sum({self.select(m.LEASES_LIVE)})"),

@@ -389,6 +389,10 @@ class AgentsConfig(_Strict):
     """Minimum time between two changes of the same knob."""
     verify_after_s: Annotated[float, Field(ge=0)] = 60.0
     """How long after acting the SLO is checked again (roll back if worse)."""
+    replica_start_s: Annotated[float, Field(ge=0)] = 300.0
+    """How long a replica the agents add may take to come up (engine start, weights)
+    before the shortfall counts as a crash; for this long plus `cooldown_s` the role
+    is not judged idle either (its new replica has not drawn its share of the load)."""
     prometheus_url: str = "http://127.0.0.1:9090"
     bounds: dict[str, KnobBounds] = {
         "routing.max_wan_transfer_ms": KnobBounds(min=0, max=5000, max_step=200),

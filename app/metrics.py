@@ -64,7 +64,14 @@ KV_SLOWDOWN = _spec(
     "(1: the link as configured; a busy link stays near 1, a slow one rises).",
     ("link",), SLOWDOWN_BUCKETS,
 )
-KV_FAILURES = _spec("pdd_kv_transfer_failures", "counter", "KV pulls that failed or timed out (the decoder recomputed).", ("link", "reason"))
+KV_FAILURES = _spec(
+    "pdd_kv_transfer_failures", "counter",
+    "KV pulls that failed or timed out (the decoder recomputed), by link and reason (the error's type; "
+    "LeaseGone: the lease expired while the pull waited, which a full link causes and a broken one does not).",
+    ("link", "reason"),
+)
+KV_LEASE_GONE = "LeaseGone"
+"""KV_FAILURES' reason for app.kv.transport.LeaseGone."""
 PREFIX_HIT = _spec("pdd_prefix_hit_ratio", "histogram", "Per-request prompt share found in the engine's own prefix cache, by role.", ("role",), RATIO_BUCKETS)
 PROMPT_TOKENS = _spec("pdd_prompt_tokens", "counter", "Prompt tokens sent to each role.", ("role",))
 CACHED_TOKENS = _spec("pdd_cached_prompt_tokens", "counter", "Prompt tokens each role found in its own prefix cache.", ("role",))

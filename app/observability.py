@@ -33,7 +33,10 @@ def rules(config: PDDConfig, app_name: str = APP_NAME) -> dict[str, Any]:
         _alert("PDDTTFTSLOBreach", f"pdd:ttft_p > {slo.ttft_ms / 1000:g}", hold, "warning", f"TTFT {pct} above {slo.ttft_ms:g} ms", "ttft_slo_breach"),
         _alert("PDDTPOTSLOBreach", f"pdd:tpot_p > {slo.tpot_ms / 1000:g}", hold, "warning", f"TPOT {pct} above {slo.tpot_ms:g} ms", "tpot_slo_breach"),
         _alert("PDDGapSLOBreach", f"pdd:gap_p > {slo.max_gap_ms / 1000:g}", hold, "warning", f"worst inter-token gap {pct} above {slo.max_gap_ms:g} ms", "wan_degradation"),
-        _alert("PDDKVTransferFailures", "sum(pdd:kv_failure_rate_by_link) > 0", hold, "warning", "KV pulls failing (decoders recompute)", "wan_degradation"),
+        _alert("PDDKVTransferFailures", "sum(pdd:kv_failure_rate_by_link) - (sum(pdd:kv_lease_gone_rate_by_link) or vector(0)) > 0", hold, "warning",
+               "KV pulls failing on the link (decoders recompute)", "wan_degradation"),
+        _alert("PDDKVLeasesExpiredInQueue", "sum(pdd:kv_lease_gone_rate_by_link) > 0", hold, "warning",
+               "KV pulls waited past their lease (a full link; decoders recompute)", "wan_saturated"),
         _alert(
             "PDDKVLeaseLeak",
             "pdd:leases_live > 0 and on() (sum(pdd:request_rate_by_pipeline) or vector(0)) == 0",

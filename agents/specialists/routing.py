@@ -44,15 +44,18 @@ def _wan(view: View, situations: list[Situation]) -> list[Proposal]:
         if view.active(RLD_OVERLOAD):
             return []
         links = {link.link: link for link in f.wan_links(view.snap, view.config)}
-        worst, slowdown = None, 1.0
+        worst, slowdown, why = None, 1.0, ""
         for s in degraded:
             link = links.get(s.subject)
             if link is None:
                 continue
             # failing pulls cost a recompute on top of the wait: treat them as a slow link at least
-            effective = max(link.slowdown, WAN_SLOWDOWN[0]) if link.failure_ratio > 0 else link.slowdown
+            failing = link.failure_ratio > 0 and link.slowdown < WAN_SLOWDOWN[0]
+            effective = WAN_SLOWDOWN[0] if failing else link.slowdown
             if effective > slowdown:
                 worst, slowdown = s, effective
+                why = (f"{link.failure_ratio:.0%} of pulls fail (each costs a recompute): counted as a link {slowdown:.1f}x slow" if failing
+                       else f"pulls run {slowdown:.1f}x the link model")
         if worst is None:
             return []
         goal = wan_threshold_goal(intent, slowdown)
@@ -61,7 +64,7 @@ def _wan(view: View, situations: list[Situation]) -> list[Proposal]:
             return []
         return [view.propose(
             NAME, worst, THRESHOLD, current, new,
-            f"pulls run {slowdown:.1f}x the link model; threshold goal {goal:.0f} ms (intent {intent:.0f} ms / slowdown)",
+            f"{why}; threshold goal {goal:.0f} ms (intent {intent:.0f} ms / slowdown)",
             "fewer requests wait on the WAN without a relay: worst-gap p99 and P-MD TTFT-to-second-token fall",
             [Evidence(query="intent / slowdown", value=goal, note="threshold goal, ms")],
         )]

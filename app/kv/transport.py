@@ -43,6 +43,14 @@ class PullHeader(msgspec.Struct):
     """Per layer (sorted by name): name, shape of one block, dtype."""
     block_nbytes: int = 0
     count: int = 0
+    lease_gone: bool = False
+    """Refused because the source no longer holds the lease (expired, or every consumer pulled)."""
+
+
+class LeaseGone(Exception):
+    """The source no longer holds the lease: it expired (the pull waited past
+    `kv.lease_timeout_s`, e.g. queued behind a full link) or its consumers are done.
+    Not a link failure: the link may be healthy and merely full."""
 
 
 def _send_msg(sock: socket.socket, msg: msgspec.Struct) -> None:
@@ -222,7 +230,7 @@ class BlockServer:
         if lease is None:
             why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
             with contextlib.suppress(OSError):
-                _send_msg(sock, PullHeader(ok=False, error=why))
+                _send_msg(sock, PullHeader(ok=False, error=why, lease_gone=layout is not None))
             return
         try:
             bad = [i for i in req.indices if not 0 <= i < len(lease.block_ids)]
@@ -298,7 +306,7 @@ def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, tran
             _send_msg(sock, PullRequest(spec.lease_id, spec.remote_indices, spec.request_id))
             header = _recv_msg(sock, PullHeader)
             if not header.ok:
-                raise ConnectionError(header.error or "refused")
+                raise (LeaseGone if header.lease_gone else ConnectionError)(header.error or "refused")
             mine = layout.describe()
             if [list(x) for x in header.layout] != [list(x) for x in mine]:
                 raise ValueError(f"KV layout differs: source {header.layout[:1]}..., here {mine[:1]}...")
@@ -312,7 +320,7 @@ def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, tran
                 result.blocks += 1
                 layout.write_block(local, buf)
                 written.add(local)
-    except (OSError, ConnectionError, ValueError, TimeoutError, msgspec.DecodeError) as exc:
+    except (OSError, ConnectionError, LeaseGone, ValueError, TimeoutError, msgspec.DecodeError) as exc:
         result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"
         result.failed_block_ids = [b for b in spec.local_block_ids if b not in written]

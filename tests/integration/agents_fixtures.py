@@ -68,6 +68,8 @@ class Levels:
     """(hit ratio, weight) of MD's per-request prefix hits."""
     kv: dict[str, tuple[float, float, float, float]] = field(default_factory=lambda: {WAN: (5.0, 0.06, 100_000.0, 0.0), LAN: (1.0, 0.01, 2_000_000.0, 0.0)})
     """link -> (pulls/s, seconds per pull, bytes per pull, failed share)."""
+    leases_gone: dict[str, float] = field(default_factory=dict)
+    """link -> share of pulls that found their lease expired (failures with reason LeaseGone)."""
     relay_tokens: float = 40.0
     singular_rps: float = 0.0
     violations: dict[str, float] = field(default_factory=dict)
@@ -88,6 +90,7 @@ SCENARIOS: dict[str, Levels] = {
     "ttft_slo_breach": replace(HEALTHY, ttft_s={"P-MD": 4.0, "P-RLD-MD": 4.0}, violations={"ttft": 4.5}),
     "tpot_slo_breach": replace(HEALTHY, tpot_s={"P-MD": 0.4, "P-RLD-MD": 0.02}, violations={"tpot": 3.5}),
     "kv_lease_leak": replace(HEALTHY, leases=(500.0, 2.0)),
+    "wan_saturated": replace(HEALTHY, leases_gone={WAN: 0.1}),
     "replica_crash": replace(HEALTHY, replicas={**HEALTHY.replicas, "MainDecode": (2, 1)}, health_failures_rps={"MainDecode": 0.2}),
     "over_provisioned": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "MainDecode": 10.0}),
 }
@@ -154,6 +157,7 @@ class ScriptedExporter:
             self._add(("kv", link, seconds), n, n * seconds)
             self._add(("kv_bytes", link), n * nbytes)
             self._add(("kv_fail", link), n * failed)
+            self._add(("kv_gone", link), n * lv.leases_gone.get(link, 0.0))
         relayed = lv.rps.get("P-RLD-MD", 0.0) * dt
         self._add(("relay", lv.relay_tokens), relayed, relayed * lv.relay_tokens)
         self._add(("singular",), lv.singular_rps * dt)
@@ -197,11 +201,15 @@ class ScriptedExporter:
             yield self._hist(m.PREFIX_HIT, "md_hit", {"role": "main_decode"}, ())
             for link in lv.kv:
                 yield self._hist(m.KV_SECONDS, "kv", {"link": link}, (link,))
-            for spec, kind, labels in ((m.KV_BYTES, "kv_bytes", ()), (m.KV_FAILURES, "kv_fail", ("timeout",))):
-                fam = CounterMetricFamily(_counter_name(spec), spec.description, labels=list(spec.labels))
-                for link in lv.kv:
-                    fam.add_metric([link, *labels], c.get((kind, link), 0.0))
-                yield fam
+            fam = CounterMetricFamily(_counter_name(m.KV_BYTES), m.KV_BYTES.description, labels=list(m.KV_BYTES.labels))
+            for link in lv.kv:
+                fam.add_metric([link], c.get(("kv_bytes", link), 0.0))
+            yield fam
+            fam = CounterMetricFamily(_counter_name(m.KV_FAILURES), m.KV_FAILURES.description, labels=list(m.KV_FAILURES.labels))
+            for link in lv.kv:
+                fam.add_metric([link, "TimeoutError"], c.get(("kv_fail", link), 0.0))
+                fam.add_metric([link, m.KV_LEASE_GONE], c.get(("kv_gone", link), 0.0))
+            yield fam
             yield self._hist(m.RELAY_TOKENS, "relay", {}, ())
             fam = CounterMetricFamily(_counter_name(m.SINGULAR), m.SINGULAR.description)
             fam.add_metric([], c.get(("singular",), 0.0))
@@ -268,6 +276,7 @@ def healthy_snapshot(at: float = 10_000.0, **fields: Any):
         kv_bytes_per_transfer_by_link={WAN: 100_000.0, LAN: 2_000_000.0},
         kv_transfer_rate_by_link={WAN: 5.0, LAN: 1.0},
         kv_failure_rate_by_link={WAN: 0.0, LAN: 0.0},
+        kv_lease_gone_rate_by_link={WAN: 0.0, LAN: 0.0},
         relay_tokens_p90=60.8,
         singular_rate=0.0,
         leases_live=5.0,

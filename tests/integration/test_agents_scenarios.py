@@ -49,6 +49,7 @@ EXPECTED = {
     "ttft_slo_breach": [("capacity", "replicas.prefill", 1, 2)],
     "tpot_slo_breach": [("capacity", "replicas.main_decode", 2, 3)],
     "kv_lease_leak": [("clerk", "notice.kv_lease_leak", None, None)],
+    "wan_saturated": [("clerk", "notice.wan_saturated:dc-a->dc-b", None, None)],
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
 }

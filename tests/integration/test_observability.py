@@ -121,16 +121,16 @@ def test_every_dashboard_panel_and_rule_evaluates_with_data(app, prom, traffic):
         for rule in group["rules"]:
             assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
     recorded = {r["record"]: r["expr"] for g in rules(config, APP)["groups"] for r in g["rules"] if "record" in r}
-    # series that need an event which this traffic does not produce (failures, singular requests) may be empty;
+    # series that need an event which this traffic does not produce (failures, leases gone, singular requests) may be empty;
     # a ratio of rates has come back empty for one evaluation right after its panel had data (a series
     # missing between scrapes), so the count is polled for a while rather than read once
     deadline = time.monotonic() + 60
     while True:
         empty = sorted(name for name in recorded if not prom.query(name))
-        if len(empty) <= 4 or time.monotonic() > deadline:
+        if len(empty) <= 5 or time.monotonic() > deadline:
             break
         time.sleep(5)
-    assert len(empty) <= 4, {name: {"expr": recorded[name], "now": prom.query(recorded[name])} for name in empty}
+    assert len(empty) <= 5, {name: {"expr": recorded[name], "now": prom.query(recorded[name])} for name in empty}
 
 
 def test_promtool_accepts_the_rules(app, tmp_path):

@@ -12,7 +12,7 @@ from agents.memory import Memory
 from agents.specialists import ALL, PROPOSERS
 from agents.specialists.base import View
 from app.config import LiveKnobs
-from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_config
+from tests.integration.agents_fixtures import LAN, WAN, healthy_snapshot, pdd_config
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
@@ -26,6 +26,7 @@ CASES = {
     "ttft_slo_breach": dict(ttft_p=4.75, ttft_p_by_pipeline={"P-MD": 4.75, "P-RLD-MD": 4.75}),
     "tpot_slo_breach": dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.0235}),
     "kv_lease_leak": dict(leases_live=600.0, leases_slope=2.0),
+    "wan_saturated": dict(kv_failure_rate_by_link={WAN: 0.5}, kv_lease_gone_rate_by_link={WAN: 0.5}),
     "replica_crash": dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 1.0}, health_check_failures_by_deployment={"MainDecode": 1.0}),
     "over_provisioned": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 10.0}),
 }
@@ -39,6 +40,7 @@ EXPECTED = {
     "ttft_slo_breach": [("capacity", "replicas.prefill", 1, 2)],
     "tpot_slo_breach": [("capacity", "replicas.main_decode", 2, 3)],
     "kv_lease_leak": [("clerk", "notice.kv_lease_leak", None, None)],
+    "wan_saturated": [("clerk", "notice.wan_saturated:dc-a->dc-b", None, None)],
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
 }
@@ -108,6 +110,40 @@ def test_wan_recovery_restores_the_intent():
     assert (s.name, s.subject, s.severity) == ("wan_degradation", "recovered", 0)
     [p] = propose_all(healthy_snapshot(), knobs=knobs)
     assert (p.change.target, p.change.old, p.change.new) == ("routing.max_wan_transfer_ms", 100.0, 300.0)
+
+
+def test_pulls_whose_lease_expired_in_the_queue_are_saturation_not_degradation():
+    gone = healthy_snapshot(**CASES["wan_saturated"])
+    assert [(s.name, s.subject) for s in situations_of(gone)] == [("wan_saturated", WAN)]
+    broken = healthy_snapshot(kv_failure_rate_by_link={WAN: 0.5})  # the same failures, the link's doing
+    assert [(s.name, s.subject) for s in situations_of(broken)] == [("wan_degradation", WAN)]
+    [p] = [p for p in propose_all(broken) if p.specialist == "routing"]
+    assert p.reason.startswith("10% of pulls fail (each costs a recompute): counted as a link 2.0x slow"), p.reason
+    # a full link with every lease still met is named too: 5 pulls/s x 0.95 MB = 38 of 40 Mbit/s
+    full = healthy_snapshot(kv_bytes_per_transfer_by_link={WAN: 950_000.0, LAN: 2_000_000.0})
+    [s] = situations_of(full)
+    assert (s.name, s.evidence[0].value) == ("wan_saturated", pytest.approx(0.95))
+    assert not [p for p in propose_all(full) if p.specialist != "clerk"]
+
+
+def test_md_hit_behind_is_not_blamed_on_md_cache_while_the_wan_is_full():
+    snap = healthy_snapshot(**CASES["md_hit_behind"], **CASES["wan_saturated"])
+    assert [s.name for s in situations_of(snap)] == ["wan_saturated"]
+    assert not [p for p in propose_all(snap) if p.specialist == "capacity"]
+
+
+def test_a_replica_the_agents_just_added_is_starting_not_crashed_nor_idle():
+    short = healthy_snapshot(replicas_target_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 3.0, "Conductor": 1.0})
+    config = pdd_config()
+    added = Memory(raised={"replicas.main_decode": short.at - 120})
+    assert situations_of(short, memory=added) == []
+    late = Memory(raised={"replicas.main_decode": short.at - config.agents.replica_start_s - 1})
+    assert [s.key for s in situations_of(short, memory=late)] == ["replica_crash:MainDecode"]
+    # up, with little load yet: not given back while it settles
+    idle = healthy_snapshot(**CASES["over_provisioned"])
+    assert situations_of(idle, memory=added) == []
+    settled = Memory(raised={"replicas.main_decode": idle.at - config.agents.replica_start_s - config.agents.cooldown_s - 1})
+    assert [s.name for s in situations_of(idle, memory=settled)] == ["over_provisioned"]
 
 
 def test_routing_stays_away_from_an_overloaded_relay():
