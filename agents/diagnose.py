@@ -68,7 +68,7 @@ VALLEY_GAP = (1.0, 0.8)
 SLO_RATIO = (1.0, 0.85)
 """Figure at the SLO percentile / target."""
 LEASE_EXCESS = (1.0, 0.8)
-"""Live leases / what traffic explains (rate x lease timeout x 1.5 + LEASE_SLACK)."""
+"""Live leases / what traffic explains ((requests in the last lease timeout + in flight) x 1.5 + LEASE_SLACK)."""
 LEASE_SLACK = 16
 OVER_SCORE = (0.5, 0.6)
 """SLO score below which capacity is spare (stays spare below the second)."""
@@ -250,7 +250,11 @@ class _Diagnosis:
         live, slope = self.snap.leases_live, self.snap.leases_slope
         if live is None:
             return
-        explained = self.snap.request_rate * self.config.kv.lease_timeout_s * 1.5 + LEASE_SLACK
+        recent = self.snap.requests_in_lease_window
+        if recent is None:  # a source without the count (the twin): the rate over the window
+            recent = self.snap.request_rate * self.config.kv.lease_timeout_s
+        # a lease lives at most kv.lease_timeout_s: only requests of that span, and those in flight, hold one
+        explained = (recent + (self.snap.requests_in_flight or 0.0)) * 1.5 + LEASE_SLACK
         excess = live / explained
         growing = slope is not None and slope > 0
         active = LEASE_LEAK in self.memory.streaks
@@ -258,7 +262,8 @@ class _Diagnosis:
             self.add(LEASE_LEAK, f"{live:.0f} KV leases live, traffic explains at most {explained:.0f}", [
                 Evidence(query=self.q("leases_live"), value=live, threshold=explained),
                 Evidence(query=self.q("leases_slope"), value=slope, note="leases per second"),
-                Evidence(query=self.q("request_rate_by_pipeline"), value=self.snap.request_rate, note="requests/s"),
+                Evidence(query=self.q("requests_in_lease_window"), value=self.snap.requests_in_lease_window, note="requests in the last lease timeout"),
+                Evidence(query=self.q("requests_in_flight"), value=self.snap.requests_in_flight, note="requests in flight"),
             ], severity=1)
 
     def crash(self) -> None:

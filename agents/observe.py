@@ -58,6 +58,9 @@ class Snapshot(BaseModel):
     leases_live: float | None = None
     leases_slope: float | None = None
     """Change of live leases per second (deriv over the window)."""
+    requests_in_lease_window: float | None = None
+    """Requests finished within the last kv.lease_timeout_s."""
+    requests_in_flight: float | None = None
     slo_violation_rate_by_slo: dict[str, float] = {}
     replicas_healthy_by_deployment: dict[str, float] = {}
     replicas_target_by_deployment: dict[str, float] = {}

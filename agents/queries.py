@@ -42,9 +42,11 @@ class Query:
 class QuerySet:
     """The queries for one cluster: evaluation window, SLO percentile, Serve app, extra matchers."""
 
-    def __init__(self, *, window_s: float, percentile: float, app_name: str, matchers: dict[str, str] | None = None):
+    def __init__(self, *, window_s: float, percentile: float, app_name: str, matchers: dict[str, str] | None = None, lease_window_s: float = 60.0):
         self.window_s = max(1, round(window_s))
         self.window = f"{self.window_s}s"
+        self.lease_window = f"{max(1, round(lease_window_s))}s"
+        """kv.lease_timeout_s: the requests of the last lease lifetime explain the live leases."""
         self.q = percentile / 100
         self.app_name = app_name
         self.matchers = dict(matchers or {})
@@ -97,6 +99,9 @@ class QuerySet:
             Query("relay_tokens_p90", self._quantile(0.9, m.RELAY_TOKENS)),
             Query("singular_rate", f"sum({r(m.SINGULAR)})"),
             Query("leases_live", f"sum({self.select(m.LEASES_LIVE)})"),
+            # increase(), not rate x time: a rate over the window under-reads a series younger than the window
+            Query("requests_in_lease_window", f"sum(increase({self.select(m.REQUESTS)}[{self.lease_window}]))"),
+            Query("requests_in_flight", f"sum({self.select(m.IN_FLIGHT)})"),
             Query("leases_slope", f"sum(deriv({self.select(m.LEASES_LIVE)}[{self.window}]))"),
             Query("slo_violation_rate_by_slo", f"sum by (slo) ({r(m.SLO_VIOLATIONS)})", "slo"),
             Query("replicas_healthy_by_deployment", f"sum by (deployment) ({self.select(SERVE_REPLICA_HEALTHY)})", "deployment"),

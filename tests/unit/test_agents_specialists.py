@@ -146,6 +146,16 @@ def test_a_replica_the_agents_just_added_is_starting_not_crashed_nor_idle():
     assert [s.name for s in situations_of(idle, memory=settled)] == ["over_provisioned"]
 
 
+def test_leases_are_explained_by_the_requests_of_the_last_lease_lifetime():
+    # a new app's first minutes under load: the rate over the 300 s window under-reads the young series
+    burst = dict(leases_live=150.0, leases_slope=1.0, request_rate_by_pipeline={"P-RLD-MD": 0.9})
+    assert situations_of(healthy_snapshot(**burst, requests_in_lease_window=200.0, requests_in_flight=4.0)) == []
+    assert [s.name for s in situations_of(healthy_snapshot(**burst))] == ["kv_lease_leak"]  # rate x timeout: 97
+    # traffic has gone quiet and leases keep growing: a leak
+    quiet = healthy_snapshot(**burst, requests_in_lease_window=20.0, requests_in_flight=0.0)
+    assert [s.name for s in situations_of(quiet)] == ["kv_lease_leak"]
+
+
 def test_routing_stays_away_from_an_overloaded_relay():
     snap = healthy_snapshot(**CASES["bathtub_valley"], ongoing_by_deployment={"RelayDecode": 60.0, "MainDecode": 80.0, "Prefill": 30.0})
     targets = {p.change.target for p in propose_all(snap)}
