@@ -278,7 +278,7 @@ def _start_prometheus(config, ray_temp_dir: str | None):
     rules_path = write_rules(config, workdir / "pdd-rules.yaml")
     port = urlparse(config.agents.prometheus_url).port or 9090
     server = prometheus.PrometheusServer(port=port, file_sd=prometheus.ray_service_discovery_file(ray_temp_dir), rule_files=[rules_path], workdir=workdir)
-    server.start()
+    server.start(fresh=True)
     console.print(f"  Prometheus at {server.url} (rules: {rules_path})")
     return server
 

@@ -68,10 +68,15 @@ class PrometheusServer:
             "scrape_configs": scrape,
         }
 
-    def start(self, timeout_s: float = 60) -> "PrometheusServer":
+    def start(self, timeout_s: float = 60, *, fresh: bool = False) -> "PrometheusServer":
+        """`fresh`: begin with empty storage. A new cluster exports the same series names
+        (same app, same links) as the last one here, and within the agents' window the
+        last cluster's pulls, failures and rates would be read as this one's."""
         exe = binary()
         if exe is None:
             raise RuntimeError(INSTALL_HINT)
+        if fresh:
+            shutil.rmtree(self.workdir / "data", ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(self.config()))
