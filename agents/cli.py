@@ -55,12 +55,15 @@ def run(
     config_path: Path = ConfigOption,
     mode: AgentMode | None = typer.Option(None, "--mode", help="Override agents.mode: observe (record only), advise (wait for approval), act"),
     once: bool = typer.Option(False, "--once", help="Run one tick and exit"),
+    new_cluster: bool = typer.Option(False, "--new-cluster", help="Forget the stored memory (streaks, cooldowns, unverified changes, waiting proposals): it describes another cluster. `pdd run` passes it; the history stays"),
 ) -> None:
     """Run the swarm: one tick every agents.tick_s seconds (Ctrl-C to stop)."""
     from agents.runner import Swarm
 
     config, app_name = _load(config_path)
     with Swarm.open(config, app_name=app_name, mode=mode) as swarm:
+        if new_cluster:
+            swarm.deps.memory.forget()
         console.print(f"agents: {swarm.agents.mode.value} mode, Prometheus {swarm.agents.prometheus_url}, Serve app '{app_name}' via {swarm.agents.dashboard_url}, router: {swarm.deps.router.name}")
         try:
             swarm.run(once=once, on_tick=_print_tick)

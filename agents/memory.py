@@ -72,6 +72,8 @@ class MemoryBackend(Protocol):
 
     def save(self, before: Memory, after: Memory) -> None: ...
 
+    def forget(self) -> None: ...
+
 
 class InMemoryBackend:
     """For the digital twin and unit tests: memory in this process only."""
@@ -81,6 +83,9 @@ class InMemoryBackend:
 
     def load(self) -> Memory:
         return self.memory.model_copy(deep=True)
+
+    def forget(self) -> None:
+        self.memory = Memory()
 
     def save(self, before: Memory, after: Memory) -> None:
         data = self.memory.model_dump()
@@ -110,6 +115,13 @@ class StoreBackend:
             items = self.store.search((*NAMESPACE, field), limit=10_000)
             data[field] = {item.key: item.value["v"] for item in items}
         return Memory.model_validate(data)
+
+    def forget(self) -> None:
+        """Drop every entry (the tick history stays): for a new cluster, which the stored
+        streaks, cooldowns, unverified changes and waiting proposals do not describe."""
+        for field in _FIELDS:
+            for item in self.store.search((*NAMESPACE, field), limit=10_000):
+                self.store.delete((*NAMESPACE, field), item.key)
 
     def save(self, before: Memory, after: Memory) -> None:
         for field in _FIELDS:

@@ -288,7 +288,7 @@ def _start_agents(config_path: Path, config):
     import sys
 
     log = cluster.state_dir() / "agents.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path)], stdout=log.open("a"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path), "--new-cluster"], stdout=log.open("a"), stderr=subprocess.STDOUT)
     console.print(f"  agents: {config.agents.mode.value} mode, every {config.agents.tick_s:g} s (log: {log}; `pdd agents history`)")
     return proc
 

@@ -14,6 +14,7 @@ from agents.cli import agents_cli
 from agents.diagnose import Evidence
 from agents.entries import FileEntries, read_entry
 from agents.knobs import Change
+from agents.memory import Memory
 from agents.observe import StaticSource
 from agents.proposal import Proposal
 from agents.router import LLMRouter, RuleRouter, tool_name
@@ -229,6 +230,23 @@ def test_cli_pending_history_and_unknown_tick(tmp_path):
     assert out.exit_code == 0 and "awaiting" in out.output
     out = runner.invoke(agents_cli, ["approve", "tick-nope", "--config", str(cfg_file)])
     assert out.exit_code == 1 and "no proposal awaits approval" in out.output
+
+
+def test_a_new_cluster_starts_with_an_empty_memory_and_the_old_history(tmp_path):
+    args = pdd_args(audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), mode="advise",
+                    prometheus_url="http://127.0.0.1:9")  # nothing listens: the tick records that it could not observe
+    cfg_file = tmp_path / "serve.yaml"
+    cfg_file.write_text(yaml.safe_dump({"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": args}]}))
+    config = pdd_config(**args["agents"])
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+        tick = s.tick()["tick"]
+        assert s.pending() and s.deps.memory.load().streaks
+    runner = CliRunner()
+    out = runner.invoke(agents_cli, ["run", "--once", "--new-cluster", "--config", str(cfg_file)])
+    assert out.exit_code == 0, out.output
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+        assert s.pending() == [] and s.deps.memory.load() == Memory()
+        assert tick in {h["tick"] for h in s.history()}
 
 
 def test_entries_can_be_filed_by_hand(tmp_path):
