@@ -57,10 +57,9 @@ WAN_SLOWDOWN = (2.0, 1.3)
 """Observed mean pull time / what the configured link model predicts."""
 WAN_FAILURES = (0.05, 0.01)
 """Pulls the link broke / pulls."""
-WAN_UTILISATION = (0.9, 0.75)
-"""KV bytes per second over a link / its configured bandwidth."""
 LEASES_GONE = (0.05, 0.01)
-"""Pulls that found their lease expired (they waited past kv.lease_timeout_s) / pulls."""
+"""Pulls that found their lease expired (they waited past kv.lease_timeout_s) / pulls:
+the harm of a full link (a busy one whose pulls meet their leases is working as meant)."""
 VALLEY_SHARE = (0.3, 0.2)
 """Share of MD requests with a prefix hit inside figures.VALLEY."""
 VALLEY_GAP = (1.0, 0.8)
@@ -156,19 +155,16 @@ class _Diagnosis:
 
     def saturation(self) -> None:
         for link in f.wan_links(self.snap, self.config):
-            key = f"{WAN_SATURATED}:{link.link}"
-            full = self.past(key, link.utilisation, WAN_UTILISATION)
-            expiring = self.past(key, link.lease_gone_ratio, LEASES_GONE)
-            if not (full or expiring):
+            if not self.past(f"{WAN_SATURATED}:{link.link}", link.lease_gone_ratio, LEASES_GONE):
                 continue
             self.saturated.append(link)
             bandwidth = f"{link.bandwidth_mbps:g} Mbit/s"
             self.add(WAN_SATURATED, f"{link.link}: KV fills {link.utilisation:.0%} of its {bandwidth}; "
                      f"{link.lease_gone_ratio:.0%} of pulls waited past their lease (the decoder recomputes those prompts)", [
-                Evidence(query=f"{self.q('kv_transfer_rate_by_link')} x {self.q('kv_bytes_per_transfer_by_link')} x 8 / bandwidth",
-                         value=link.utilisation, threshold=WAN_UTILISATION[0], note=f"{link.link} utilisation of {bandwidth}"),
                 Evidence(query=f"{self.q('kv_lease_gone_rate_by_link')} / {self.q('kv_transfer_rate_by_link')}",
                          value=link.lease_gone_ratio, threshold=LEASES_GONE[0], note="pulls whose lease expired while they waited"),
+                Evidence(query=f"{self.q('kv_transfer_rate_by_link')} x {self.q('kv_bytes_per_transfer_by_link')} x 8 / bandwidth",
+                         value=link.utilisation, note=f"{link.link} utilisation of {bandwidth}"),
                 Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, note="pull time / the link model's: near 1, the link itself is as configured"),
                 Evidence(query=self.q("kv_seconds_p90_by_link"), value=link.p90_s, note="pull seconds p90"),
             ], subject=link.link)

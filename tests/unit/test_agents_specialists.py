@@ -119,11 +119,12 @@ def test_pulls_whose_lease_expired_in_the_queue_are_saturation_not_degradation()
     assert [(s.name, s.subject) for s in situations_of(broken)] == [("wan_degradation", WAN)]
     [p] = [p for p in propose_all(broken) if p.specialist == "routing"]
     assert p.reason.startswith("10% of pulls fail (each costs a recompute): counted as a link 2.0x slow"), p.reason
-    # a full link with every lease still met is named too: 5 pulls/s x 0.95 MB = 38 of 40 Mbit/s
-    full = healthy_snapshot(kv_bytes_per_transfer_by_link={WAN: 950_000.0, LAN: 2_000_000.0})
-    [s] = situations_of(full)
-    assert (s.name, s.evidence[0].value) == ("wan_saturated", pytest.approx(0.95))
-    assert not [p for p in propose_all(full) if p.specialist != "clerk"]
+    [s] = situations_of(gone)
+    assert s.evidence[0].value == pytest.approx(0.1) and not [p for p in propose_all(gone) if p.specialist != "clerk"]
+    # a busy link whose pulls meet their leases works as meant: 5 pulls/s x 0.95 MB = 38 of 40 Mbit/s
+    busy = healthy_snapshot(kv_bytes_per_transfer_by_link={WAN: 950_000.0, LAN: 2_000_000.0})
+    assert situations_of(busy) == []
+    assert [link.utilisation for link in f.wan_links(busy, pdd_config())] == [pytest.approx(0.95)]
 
 
 def test_md_hit_behind_is_not_blamed_on_md_cache_while_the_wan_is_full():
