@@ -105,7 +105,6 @@ class _Diagnosis:
     def __init__(self, snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float):
         self.snap, self.config, self.agents, self.knobs, self.memory, self.now = snap, config, agents, knobs, memory, now
         self.found: list[Situation] = []
-        self.saturated: list[f.LinkHealth] = []
 
     def past(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
         """Above the entry threshold, or above the exit threshold while already active."""
@@ -157,7 +156,6 @@ class _Diagnosis:
         for link in f.wan_links(self.snap, self.config):
             if not self.past(f"{WAN_SATURATED}:{link.link}", link.lease_gone_ratio, LEASES_GONE):
                 continue
-            self.saturated.append(link)
             bandwidth = f"{link.bandwidth_mbps:g} Mbit/s"
             self.add(WAN_SATURATED, f"{link.link}: KV fills {link.utilisation:.0%} of its {bandwidth}; "
                      f"{link.lease_gone_ratio:.0%} of pulls waited past their lease (the decoder recomputes those prompts)", [
@@ -171,7 +169,7 @@ class _Diagnosis:
 
     def hit(self) -> None:
         gap = f.hit_gap(self.snap)
-        if self.saturated:
+        if any(s.name == WAN_SATURATED for s in self.found):
             return  # MD's warm-up pulls wait on the full link: more MD cache would not raise its hit
         if self.past(MD_HIT_BEHIND, gap, HIT_GAP):
             self.add(MD_HIT_BEHIND, f"MD prefix hit trails P's by {gap:.0%}", [

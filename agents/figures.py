@@ -119,7 +119,7 @@ class LinkHealth:
 
 def expected_pull_s(link: LinkConfig, nbytes: float) -> float:
     """Mean seconds of one pull of `nbytes` on the link as configured, when it carries nothing else."""
-    return link.mean_latency_s + nbytes * 8 / (link.bandwidth_mbps * 1e6)
+    return link.mean_latency_s + nbytes / link.bytes_per_s
 
 
 def _datacenters_in(label: str, config: PDDConfig) -> list[str]:
@@ -165,7 +165,7 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
                 slowdown=slowdown,
                 shared=shared,
                 bandwidth_mbps=link.bandwidth_mbps,
-                utilisation=pulls * snap.kv_bytes_per_transfer_by_link.get(label, 0.0) * 8 / (link.bandwidth_mbps * 1e6),
+                utilisation=pulls * snap.kv_bytes_per_transfer_by_link.get(label, 0.0) / link.bytes_per_s,
                 lease_gone_ratio=gone / pulls if pulls > 0 else 0.0,
             )
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.config import PDDConfig
 from app import metrics as m
 from app.metrics import MetricSpec, prom_name
 
@@ -50,6 +51,12 @@ class QuerySet:
         self.q = percentile / 100
         self.app_name = app_name
         self.matchers = dict(matchers or {})
+
+    @classmethod
+    def for_config(cls, config: PDDConfig, app_name: str, window_s: float | None = None) -> "QuerySet":
+        """The queries for a cluster of `config` serving `app_name` (window: the SLO's, unless given)."""
+        return cls(window_s=config.slo.window_s if window_s is None else window_s, percentile=config.slo.percentile, app_name=app_name,
+                   matchers=config.agents.prometheus_matchers, lease_window_s=config.kv.lease_timeout_s)
 
     def select(self, spec: MetricSpec, suffix: str = "", **labels: str) -> str:
         """Ours and Serve's series both carry `application`: select this app's."""

@@ -69,7 +69,7 @@ def live_actuator(config: PDDConfig, agents: AgentsConfig, app_name: str) -> Act
 
 
 def live_source(config: PDDConfig, agents: AgentsConfig, app_name: str) -> Source:
-    queries = QuerySet(window_s=config.slo.window_s, percentile=config.slo.percentile, app_name=app_name, matchers=agents.prometheus_matchers, lease_window_s=config.kv.lease_timeout_s)
+    queries = QuerySet.for_config(config, app_name)
     return PromSource(agents.prometheus_url, queries)
 
 

@@ -225,7 +225,7 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
         pulled = wan[wan > 0]
         if src != dst and len(pulled):
             link = fleet.link(src, dst)
-            bandwidth = link.bandwidth_mbps * 1e6 / 8
+            bandwidth = link.bytes_per_s
             rho = min(float(pulled.sum()) / span / bandwidth, _MAX_WAN_UTILISATION)
             seconds = link.mean_latency_s + pulled / (bandwidth * (1 - rho))
             label = direction_name(src, dst)

@@ -328,14 +328,14 @@ class Conductor:
     def _link_backlog(self, link: str) -> LinkBacklog:
         backlog = self.backlogs.get(link)
         if backlog is None:
-            backlog = self.backlogs[link] = LinkBacklog(self._link_config(link).bandwidth_mbps * 1e6 / 8)
+            backlog = self.backlogs[link] = LinkBacklog(self._link_config(link).bytes_per_s)
         return backlog
 
     def _link_share(self, link: str) -> LinkShare:
         share = self.shares.get(link)
         if share is None:
             kv = self.config.kv
-            share = self.shares[link] = LinkShare(self._link_config(link).bandwidth_mbps * 1e6 / 8, kv.concurrent_pulls, kv.pull_order)
+            share = self.shares[link] = LinkShare(self._link_config(link).bytes_per_s, kv.concurrent_pulls, kv.pull_order)
         return share
 
     def _model_seconds(self, pull: dict[str, Any], request: EngineRequest, moved_bytes: int) -> float | None:

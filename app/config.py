@@ -243,6 +243,10 @@ class LinkConfig(_Strict):
         return link_key(*self.between)
 
     @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_mbps * 1e6 / 8
+
+    @property
     def mean_latency_s(self) -> float:
         """What a pull waits on this link besides its bytes, on average: RTT, mean jitter, mean stall.
 

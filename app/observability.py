@@ -20,7 +20,7 @@ APP_NAME = "pdd"
 
 
 def query_set(config: PDDConfig, app_name: str = APP_NAME) -> QuerySet:
-    return QuerySet(window_s=min(config.slo.window_s, 300), percentile=config.slo.percentile, app_name=app_name, matchers=config.agents.prometheus_matchers, lease_window_s=config.kv.lease_timeout_s)
+    return QuerySet.for_config(config, app_name, window_s=min(config.slo.window_s, 300))
 
 
 def rules(config: PDDConfig, app_name: str = APP_NAME) -> dict[str, Any]:

@@ -87,7 +87,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
         ClusterFacts(
             kv_bytes_per_block=shape.kv_bytes_per_block,
             block_size=shape.block_size,
-            wan=LinkFacts(link.bandwidth_mbps * 1e6 / 8, link.rtt_ms / 1000),
+            wan=LinkFacts(link.bytes_per_s, link.rtt_ms / 1000),
             rld_load=load,
             rld_available=rld is not None,
             wan_up=wan_down is None,

@@ -102,7 +102,7 @@ def build_agent(
     `what_if`: the digital twin's (agents.whatif.load_what_if()); None leaves that tool out.
     """
     agents = config.agents
-    queries = QuerySet(window_s=config.slo.window_s, percentile=config.slo.percentile, app_name=app_name, matchers=agents.prometheus_matchers, lease_window_s=config.kv.lease_timeout_s)
+    queries = QuerySet.for_config(config, app_name)
     toolbox = Toolbox(
         config=config,
         source=source,

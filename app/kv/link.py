@@ -43,7 +43,7 @@ class LinkModel:
 
     @property
     def bytes_per_s(self) -> float:
-        return self.config.bandwidth_mbps * 1e6 / 8
+        return self.config.bytes_per_s
 
     def jitter_s(self) -> float:
         j = self.config.jitter
