@@ -92,6 +92,8 @@ class Situation(BaseModel):
     summary: str
     severity: int = 1
     """0: recovered (knobs go back to intent), 1: warning, 2: SLO at stake."""
+    figure: float | None = None
+    """The value its thresholds compare (higher is worse); None where several do."""
     evidence: list[Evidence]
     specialists: list[str]
     streak: int = 1
@@ -117,8 +119,8 @@ class _Diagnosis:
             return False
         return value < (band[1] if key in self.memory.streaks else band[0])
 
-    def add(self, name: str, summary: str, evidence: list[Evidence], subject: str = "", severity: int = 1) -> None:
-        self.found.append(Situation(name=name, subject=subject, summary=summary, severity=severity, evidence=evidence, specialists=list(SPECIALISTS[name])))
+    def add(self, name: str, summary: str, evidence: list[Evidence], subject: str = "", severity: int = 1, figure: float | None = None) -> None:
+        self.found.append(Situation(name=name, subject=subject, summary=summary, severity=severity, figure=figure, evidence=evidence, specialists=list(SPECIALISTS[name])))
 
     def q(self, name: str) -> str:
         return self.snap.query(name)
@@ -150,7 +152,7 @@ class _Diagnosis:
                 Evidence(query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"),
                 Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_LOAD[0]),
                 Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
-            ], severity=2)
+            ], severity=2, figure=load)
 
     def saturation(self) -> None:
         for link in f.wan_links(self.snap, self.config):
@@ -165,7 +167,7 @@ class _Diagnosis:
                          value=link.utilisation, note=f"{link.link} utilisation of {bandwidth}"),
                 Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, note="pull time / the link model's: near 1, the link itself is as configured"),
                 Evidence(query=self.q("kv_seconds_p90_by_link"), value=link.p90_s, note="pull seconds p90"),
-            ], subject=link.link)
+            ], subject=link.link, figure=link.lease_gone_ratio)
 
     def hit(self) -> None:
         gap = f.hit_gap(self.snap)
@@ -177,7 +179,7 @@ class _Diagnosis:
                 Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("main_decode"), note="main_decode"),
                 Evidence(query="P hit - MD hit", value=gap, threshold=HIT_GAP[0]),
                 Evidence(query=self.q("singular_rate"), value=self.snap.singular_rate, note="singular requests/s"),
-            ])
+            ], figure=gap)
 
     def wan(self) -> None:
         links = f.wan_links(self.snap, self.config)
@@ -222,7 +224,7 @@ class _Diagnosis:
             self.add(BATHTUB_VALLEY, f"{share:.0%} of requests sit in the hit-rate valley {f.VALLEY[0]:.0%}-{f.VALLEY[1]:.0%} and P-MD gaps are long", [
                 Evidence(query=self.q("md_hit_buckets"), value=share, threshold=VALLEY_SHARE[0], note="share of MD hits in the valley"),
                 Evidence(query=self.q("gap_p99_by_pipeline"), value=gap, threshold=self.config.slo.max_gap_ms / 1000, note="P-MD worst-gap p99 seconds"),
-            ], severity=2)
+            ], severity=2, figure=share)
 
     def slo(self) -> None:
         slo = self.config.slo
@@ -238,7 +240,7 @@ class _Diagnosis:
                     Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
                     *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
                     Evidence(query=self.q("slo_violation_rate_by_slo"), value=self.snap.slo_violation_rate_by_slo.get(label[:4]), note="violations/s"),
-                ], severity=2)
+                ], severity=2, figure=ratio)
 
     def leases(self) -> None:
         live, slope = self.snap.leases_live, self.snap.leases_slope
@@ -258,7 +260,7 @@ class _Diagnosis:
                 Evidence(query=self.q("leases_slope"), value=slope, note="leases per second"),
                 Evidence(query=self.q("requests_in_lease_window"), value=self.snap.requests_in_lease_window, note="requests in the last lease timeout"),
                 Evidence(query=self.q("requests_in_flight"), value=self.snap.requests_in_flight, note="requests in flight"),
-            ], severity=1)
+            ], severity=1, figure=excess)
 
     def crash(self) -> None:
         for role in self.config.roles.present():

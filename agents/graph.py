@@ -38,7 +38,7 @@ from agents.entries import EntrySink
 from agents.figures import slo_figures
 from agents.guard import direction, guard
 from agents.knobs import Change, is_notice, is_replicas, kind_of, role_of, with_knobs
-from agents.memory import Block, Memory, MemoryBackend, Unit, record_history
+from agents.memory import Block, Growth, Memory, MemoryBackend, Unit, growth_key, growth_situation, record_history
 from agents.observe import ObserveError, Snapshot, Source
 from agents.proposal import Decision, Proposal
 from agents.router import Router, hand_to
@@ -178,6 +178,7 @@ def build_graph(deps: Deps) -> StateGraph:
             Snapshot.model_validate(state["snapshot"]), cfg, agents, LiveKnobs.model_validate(state["knobs"]), memory, state["now"]
         )
         memory.streaks = streaks
+        memory.growth = {k: g for k, g in memory.growth.items() if growth_situation(k) in streaks}
         update = {"situations": [s.model_dump(mode="json") for s in found], "memory": memory.model_dump(mode="json")}
         cmd = next_specialist({**state, **update}, [])
         return Command(goto=cmd.goto, update={**update, **cmd.update})
@@ -198,7 +199,7 @@ def build_graph(deps: Deps) -> StateGraph:
     def guard_node(state: TickState) -> dict:
         v = view(state)
         proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
-        decisions = guard(proposals, config=cfg, agents=agents, knobs=v.knobs, replicas=v.replicas, memory=v.memory, now=state["now"])
+        decisions = guard(proposals, config=cfg, agents=agents, knobs=v.knobs, replicas=v.replicas, memory=v.memory, now=state["now"], request_rate=v.snap.request_rate)
         return {"decisions": [d.model_dump(mode="json") for d in decisions]}
 
     def persist(state: TickState) -> Command:
@@ -274,6 +275,7 @@ def build_graph(deps: Deps) -> StateGraph:
             fresh = guard(
                 [p.model_copy(update={"streak": agents.confirm_ticks}) for p in changes],
                 config=cfg, agents=agents, knobs=knobs, replicas=replicas, memory=memory, now=now,
+                request_rate=Snapshot.model_validate(snapshot).request_rate,
             )
             for d in fresh:
                 if d.status != "accepted":
@@ -288,8 +290,13 @@ def build_graph(deps: Deps) -> StateGraph:
         """Apply accepted changes; register them as one unit to verify. Mutates `memory`."""
         applied, failed = _apply(deps.actuator, [p.change for p in changes], knobs)
         entries = state.get("entries", {})
+        snap = Snapshot.model_validate(snapshot)
+        by_target = {p.change.target: p for p in changes}
         for change in applied:
             _note_change(memory, change, now)
+            p = by_target[change.target]
+            if is_replicas(change.target) and direction(change) > 0 and p.figure is not None:
+                memory.growth[growth_key(p.situation_key, change.target)] = Growth(at=now, figure=p.figure, request_rate=snap.request_rate)
             _update_entry(state, change.target, now, f"applied{who}; verify after {agents.verify_after_s:g} s")
         for change, err in failed:
             _update_entry(state, change.target, now, f"failed: {err}")
@@ -300,7 +307,7 @@ def build_graph(deps: Deps) -> StateGraph:
                 applied_at=now,
                 verify_at=now + agents.verify_after_s,
                 changes=applied,
-                baseline=slo_figures(Snapshot.model_validate(snapshot), cfg.slo),
+                baseline=slo_figures(snap, cfg.slo),
                 entries=[entries[c.target] for c in applied if c.target in entries],
                 situations=sorted({p.situation_key for p in changes}),
             )
@@ -331,6 +338,7 @@ def build_graph(deps: Deps) -> StateGraph:
             applied, failed = _apply(deps.actuator, v.rollback, knobs)
             for change in applied:
                 _note_change(memory, change, now)
+                memory.growth = {k: g for k, g in memory.growth.items() if not k.endswith("|" + change.target)}
                 way = direction(change.reverse())
                 last = memory.blocked.get(change.target)
                 strikes = last.strikes + 1 if last is not None and last.direction == way else 1

@@ -9,6 +9,10 @@ A proposal is accepted only when:
   so a regression is attributable and its rollback is exact);
 - the target is out of its cooldown, not awaiting a person's approval, and
   not blocked by a recent rollback in the same direction;
+- a replica added for a situation has eased it (its figure fell by EASED, or
+  the request rate rose by LOAD_GROWN) before another is added for it: more of
+  a role that did not help is not tried without end (more main decoders for
+  an MD hit gap that comes from elsewhere);
 - it moves at most `max_step` and stays within bounds (the value is clamped,
   and a proposal that clamps to no change is refused);
 - all accepted knob changes together still form a valid LiveKnobs;
@@ -31,9 +35,21 @@ from pydantic import ValidationError
 
 from agents.controllers import fleet_cost
 from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_notice, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
-from agents.memory import Memory
+from agents.memory import Growth, Memory, growth_key
 from agents.proposal import Decision, Proposal
 from app.config import AgentsConfig, LiveKnobs, PDDConfig
+
+
+EASED = 0.1
+"""A situation's figure fell by this share: the replica added for it helped."""
+LOAD_GROWN = 0.2
+"""The request rate rose by this share: an unchanged figure does not show the replica futile."""
+
+
+def _futile(last: Growth, figure: float | None, request_rate: float | None) -> bool:
+    if figure is None or figure <= last.figure * (1 - EASED):
+        return False
+    return request_rate is None or request_rate < last.request_rate * (1 + LOAD_GROWN)
 
 
 def current_value(target: str, knobs: LiveKnobs, replicas: dict[str, int]) -> Any:
@@ -54,7 +70,7 @@ def cooling(target: str, memory: Memory, agents: AgentsConfig, now: float) -> fl
     return max(0.0, last + agents.cooldown_s - now)
 
 
-def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float) -> Decision:
+def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float, request_rate: float | None) -> Decision:
     target = p.change.target
     kind = kind_of(target)
 
@@ -86,6 +102,10 @@ def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnob
     block = memory.blocked.get(target)
     if block is not None and block.until > now and block.direction in (0, direction(p.change)):
         return verdict("rejected", f"this move was rolled back; blocked for {block.until - now:.0f} s")
+    last = memory.growth.get(growth_key(p.situation_key, target))
+    if kind == "replicas" and direction(p.change) > 0 and last is not None and _futile(last, p.figure, request_rate):
+        return verdict("held", f"the replica added for {p.situation_key} {now - last.at:.0f} s ago has not eased it "
+                       f"(figure {last.figure:.2f} then, {p.figure:.2f} now): another waits until it does")
     if kind == "choice":
         if p.change.new == p.change.old:
             return verdict("rejected", "no change")
@@ -135,8 +155,12 @@ def _one_situation(decisions: list[Decision]) -> list[Decision]:
     ]
 
 
-def guard(proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float) -> list[Decision]:
-    """A decision for every proposal, most severe first."""
+def guard(
+    proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float,
+    request_rate: float | None = None,
+) -> list[Decision]:
+    """A decision for every proposal, most severe first. `request_rate` (requests/s now; None: unknown,
+    as for an operator's request) tells a replica that did not help from load that grew past it."""
     decisions: list[Decision] = []
     taken: dict[str, Proposal] = {}
     accepted_knobs: dict[str, Any] = {}
@@ -147,7 +171,7 @@ def guard(proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig,
             decisions.append(Decision(proposal=p, status="rejected", reason=f"{taken[target].specialist} already proposed a change to {target} ({taken[target].situation})"))
             continue
         taken[target] = p
-        d = _judge(p, config, agents, knobs, replicas, memory, now)
+        d = _judge(p, config, agents, knobs, replicas, memory, now, request_rate)
         if d.status == "accepted" and kind_of(target) in ("knob", "choice"):
             trial = {**accepted_knobs, target: d.proposal.change.new}
             try:

@@ -46,6 +46,16 @@ class Block(BaseModel):
     """Rollbacks of this move in a row: each one blocks it twice as long as the last."""
 
 
+class Growth(BaseModel):
+    """A replica added for a situation: another for it waits until this one has eased it."""
+
+    at: float
+    figure: float
+    """The situation's figure when the replica was added."""
+    request_rate: float
+    """Requests/s then: when the load has grown since, an unchanged figure does not show the replica futile."""
+
+
 class Memory(BaseModel):
     last_change: dict[str, float] = {}
     """Target -> time it last changed (or was rolled back)."""
@@ -57,6 +67,8 @@ class Memory(BaseModel):
     cooldowns count from it too, so an unchanged cluster does not get the same entry every tick."""
     streaks: dict[str, int] = {}
     """Situation key -> consecutive ticks it has been active (absent: inactive)."""
+    growth: dict[str, Growth] = {}
+    """`situation key|replica target` -> the last replica added for that situation, while it lasts."""
     units: dict[str, Unit] = {}
     """Applied, not yet verified."""
     blocked: dict[str, Block] = {}
@@ -65,6 +77,14 @@ class Memory(BaseModel):
 
 
 _FIELDS = tuple(Memory.model_fields)
+
+
+def growth_key(situation_key: str, target: str) -> str:
+    return f"{situation_key}|{target}"
+
+
+def growth_situation(key: str) -> str:
+    return key.partition("|")[0]
 
 
 class MemoryBackend(Protocol):

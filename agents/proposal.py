@@ -22,6 +22,8 @@ class Proposal(BaseModel):
     severity: int = 1
     streak: int = 1
     """How many ticks the situation has lasted (the guard waits for confirm_ticks)."""
+    figure: float | None = None
+    """The situation's figure when proposed (Situation.figure)."""
     rollback_of: str | None = None
     """Unit id when this proposal undoes a change that made the SLO worse."""
     group: str = ""

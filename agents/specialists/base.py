@@ -51,4 +51,5 @@ class View:
             evidence=[*situation.evidence, *(evidence or [])],
             severity=situation.severity,
             streak=situation.streak,
+            figure=situation.figure,
         )

@@ -80,6 +80,25 @@ def test_twin_tick_keeps_an_improvement():
     assert better.replicas["prefill"] == 2 and not better.memory.units
 
 
+def test_main_decoders_are_not_added_without_end_for_a_hit_gap_they_do_not_close():
+    agent = TwinAgent(pdd_config())
+
+    def gap(at: float, md_hit: float):
+        return agent.tick(healthy_snapshot(at, prefix_hit_by_role={"prefill": 0.9, "main_decode": md_hit}))
+
+    assert [c.describe() for c in gap(T0, 0.6).changes] == ["replicas.main_decode: 2 -> 3"]
+    assert [v.outcome for v in gap(T0 + 31, 0.6).verdicts] == ["kept"]
+    for at in (T0 + 100, T0 + 400, T0 + 1000):  # past the cooldown, the gap as wide as before
+        held = gap(at, 0.6)
+        assert held.changes == [] and held.replicas["main_decode"] == 3
+        assert any(d.status == "held" and "has not eased it" in d.reason for d in held.decisions)
+    narrower = gap(T0 + 1100, 0.72)  # the third replica helped: a fourth may too
+    assert [c.describe() for c in narrower.changes] == ["replicas.main_decode: 3 -> 4"]
+    kept = gap(T0 + 1131, 0.72)
+    assert [v.outcome for v in kept.verdicts] == ["kept"] and "md_hit_behind|replicas.main_decode" in kept.memory.growth
+    assert gap(T0 + 1200, 0.89).memory.growth == {}  # closed: the next gap starts afresh
+
+
 def test_observe_mode_files_once_and_changes_nothing(tmp_path):
     config = pdd_config()
     actuator = DryRunActuator(config.live_knobs(), REPLICAS)

@@ -7,7 +7,7 @@ import pytest
 from agents.diagnose import Evidence
 from agents.guard import guard
 from agents.knobs import Change
-from agents.memory import Block, Memory, Unit
+from agents.memory import Block, Growth, Memory, Unit, growth_key
 from agents.proposal import Proposal
 from tests.integration.agents_fixtures import pdd_config
 
@@ -15,16 +15,19 @@ NOW = 10_000.0
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
 
 
-def prop(target, old, new, *, streak=1, severity=1, specialist="routing", situation="wan_degradation"):
+def prop(target, old, new, *, streak=1, severity=1, specialist="routing", situation="wan_degradation", figure=None):
     return Proposal(
         specialist=specialist, situation=situation, change=Change(target=target, old=old, new=new),
-        reason="test", expected_effect="test", evidence=[Evidence(query="q", value=1.0)], severity=severity, streak=streak,
+        reason="test", expected_effect="test", evidence=[Evidence(query="q", value=1.0)], severity=severity, streak=streak, figure=figure,
     )
 
 
-def judge(*proposals, memory=None, replicas=None, **agents):
+def judge(*proposals, memory=None, replicas=None, request_rate=None, **agents):
     config = pdd_config(**agents)
-    return guard(list(proposals), config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(replicas or REPLICAS), memory=memory or Memory(), now=NOW)
+    return guard(
+        list(proposals), config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(replicas or REPLICAS),
+        memory=memory or Memory(), now=NOW, request_rate=request_rate,
+    )
 
 
 def test_accepts_a_sound_change():
@@ -95,6 +98,30 @@ def test_rolled_back_move_is_blocked_in_that_direction_only():
     assert d.status == "rejected" and "rolled back" in d.reason
     [d] = judge(prop("replicas.main_decode", 2, 3), memory=memory)
     assert d.status == "accepted"
+
+
+GREW_FOR_HIT_GAP = Memory(growth={growth_key("md_hit_behind", "replicas.main_decode"): Growth(at=NOW - 600, figure=0.3, request_rate=5.0)})
+
+
+@pytest.mark.parametrize("figure,request_rate,status", [
+    (0.3, 5.0, "held"),  # the last replica did not narrow the gap
+    (0.35, None, "held"),  # nor is the load known to have grown
+    (0.26, 5.0, "accepted"),  # it narrowed the gap by more than EASED
+    (0.3, 6.5, "accepted"),  # the load grew past it
+])
+def test_another_replica_for_a_situation_waits_until_the_last_one_eased_it(figure, request_rate, status):
+    grow = prop("replicas.main_decode", 2, 3, specialist="capacity", situation="md_hit_behind", figure=figure)
+    [d] = judge(grow, memory=GREW_FOR_HIT_GAP, request_rate=request_rate)
+    assert d.status == status
+    if status == "held":
+        assert "has not eased it" in d.reason and "0.30 then" in d.reason
+
+
+def test_a_replica_that_did_not_ease_one_situation_may_grow_for_another_or_shrink():
+    other = prop("replicas.main_decode", 2, 3, specialist="capacity", situation="tpot_slo_breach", figure=1.4)
+    assert [d.status for d in judge(other, memory=GREW_FOR_HIT_GAP, request_rate=5.0)] == ["accepted"]
+    down = prop("replicas.main_decode", 2, 1, specialist="capacity", situation="md_hit_behind", figure=0.3)
+    assert [d.status for d in judge(down, memory=GREW_FOR_HIT_GAP, request_rate=5.0)] == ["accepted"]
 
 
 def test_conflict_the_more_severe_wins():
