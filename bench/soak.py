@@ -9,9 +9,12 @@ one of three ways:
 - lost: neither, which must never happen: no answer within the request timeout,
   or a stream that ends without finish reason or error, or fewer tokens than the
   finish reason claims.
-Memory: RSS of every serving process alive at the start and the end.
+Memory: RSS of every serving process alive at the start, sampled every
+`--rss-every` seconds; each one's growth over the last third of the run tells
+one that levels off from one that keeps growing. `--interval 0` injects no
+fault (a memory soak: no replica restarts and starts its RSS over).
 
-    python bench/soak.py [--duration 300] [--interval 45] [--clients 6] [--json out.json]
+    python bench/soak.py [--duration 300] [--interval 45] [--clients 6] [--rss-every 15] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,6 +67,18 @@ def serving_processes() -> dict[int, str]:
         parent = replicas.get(e["ppid"], f"pid {e['ppid']}")
         replicas[e["pid"]] = f"{e['name']} of {parent}"
     return replicas
+
+
+def last_third_mib_per_min(samples: list[tuple[float, dict[int, int]]], pid: int) -> float:
+    """Least-squares RSS slope over the last third of the samples: near 0 once a process has levelled off."""
+    points = [(t, got[pid] / 2**20) for t, got in samples if pid in got]
+    tail = points[len(points) * 2 // 3:]
+    if len(tail) < 2:
+        return float("nan")
+    mean_t = sum(t for t, _ in tail) / len(tail)
+    mean_m = sum(m for _, m in tail) / len(tail)
+    var = sum((t - mean_t) ** 2 for t, _ in tail)
+    return sum((t - mean_t) * (m - mean_m) for t, m in tail) / var * 60 if var else float("nan")
 
 
 def rss(pids) -> dict[int, int]:
@@ -153,6 +168,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=300)
     ap.add_argument("--interval", type=float, default=45)
     ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--rss-every", type=float, default=15, help="seconds between RSS samples")
     ap.add_argument("--request-timeout", type=float, default=180)
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -163,17 +179,19 @@ def main() -> None:
     args["kv"] = {"lease_timeout_s": 30, "transfer_timeout_s": 30}
     outcomes: list[dict] = []
     injected: list[tuple[float, str]] = []
+    samples: list[tuple[float, dict[int, int]]] = []
     with LocalApp(args, name="soak") as app:
         wait_http(f"{app.base_url}/health")
         f = Faults("soak", seed=0)
         processes = serving_processes()
         before = rss(processes)
 
-        async def run() -> None:
-            start = time.monotonic()
-            stop_at = start + a.duration
-            rng = random.Random(0)
-            clients = [asyncio.create_task(client_loop(app.base_url, start, stop_at, random.Random(rng.random()), a.request_timeout, outcomes)) for _ in range(a.clients)]
+        async def sample_rss(start: float, stop_at: float) -> None:
+            while time.monotonic() < stop_at:
+                samples.append((time.monotonic() - start, await asyncio.to_thread(rss, processes)))
+                await asyncio.sleep(min(a.rss_every, max(0.0, stop_at - time.monotonic())))
+
+        async def inject_faults(start: float, stop_at: float) -> None:
             for name, fault in faults_cycle(f):
                 await asyncio.sleep(min(a.interval, max(0.0, stop_at - time.monotonic())))
                 if time.monotonic() >= stop_at - 5:
@@ -184,13 +202,24 @@ def main() -> None:
                     console.print(f"{time.monotonic() - start:6.0f} s  fault: {name}   (requests so far: {len(outcomes)})")
                 except Exception as exc:  # noqa: BLE001 - e.g. the replica is still restarting
                     console.print(f"{time.monotonic() - start:6.0f} s  fault skipped ({name}): {exc}")
+
+        async def run() -> None:
+            start = time.monotonic()
+            stop_at = start + a.duration
+            rng = random.Random(0)
+            clients = [asyncio.create_task(client_loop(app.base_url, start, stop_at, random.Random(rng.random()), a.request_timeout, outcomes)) for _ in range(a.clients)]
+            sampler = asyncio.create_task(sample_rss(start, stop_at))
+            if a.interval > 0:
+                await inject_faults(start, stop_at)
             await asyncio.gather(*clients)
+            sampler.cancel()
 
         asyncio.run(run())
         after = rss(serving_processes())
 
     survivors = set(before) & set(after)
     growth = {pid: (after[pid] - before[pid]) / before[pid] * 100 for pid in survivors}
+    slope = {pid: last_third_mib_per_min(samples, pid) for pid in survivors}
     done = [o for o in outcomes if o["outcome"] == "completed"]
     failed = [o for o in outcomes if o["outcome"] == "failed"]
     lost = [o for o in outcomes if o["outcome"] == "lost"]
@@ -201,9 +230,11 @@ def main() -> None:
         "faults": len(injected),
         "gap_p99_ms": percentile([o["max_gap_s"] for o in done], 99) * 1000,
         "mem_growth_pct_max": max(growth.values(), default=0.0),
+        "mem_last_third_mib_per_min_max": max((v for v in slope.values() if v == v), default=float("nan")),
         "processes_measured": len(survivors),
     }
-    table = Table(title=f"soak: {a.clients} streaming clients for {a.duration:.0f} s, a fault every {a.interval:.0f} s")
+    faults = f"a fault every {a.interval:.0f} s" if a.interval > 0 else "no faults"
+    table = Table(title=f"soak: {a.clients} streaming clients for {a.duration:.0f} s, {faults}")
     for col in ("completed", "failed (clear error)", "lost", "faults", "worst gap p99 ms", "max RSS growth %", "processes"):
         table.add_column(col, justify="right")
     table.add_row(*(str(round(summary[k], 1)) for k in ("completed", "failed", "lost", "faults", "gap_p99_ms", "mem_growth_pct_max", "processes_measured")))
@@ -216,8 +247,14 @@ def main() -> None:
     for row in impacts:
         per_fault.add_row(*(v if isinstance(v, str) else f"{v:.0f}" for v in row.values()))
     console.print(per_fault)
-    for pid in sorted(survivors, key=lambda p: -growth[p]):
-        console.print(f"RSS {processes[pid]} (pid {pid}): {before[pid] / 2**20:.0f} -> {after[pid] / 2**20:.0f} MiB ({growth[pid]:+.1f}%)")
+    summary["rss"] = [{"process": processes[pid], "start_mib": before[pid] / 2**20, "end_mib": after[pid] / 2**20,
+                       "growth_pct": growth[pid], "last_third_mib_per_min": slope[pid]} for pid in sorted(survivors, key=lambda p: -growth[p])]
+    memory = Table(title=f"RSS of the processes alive throughout (sampled every {a.rss_every:g} s)")
+    for col in ("process", "start MiB", "end MiB", "growth %", "last third MiB/min"):
+        memory.add_column(col, justify="left" if col == "process" else "right")
+    for row in summary["rss"]:
+        memory.add_row(row["process"], f"{row['start_mib']:.0f}", f"{row['end_mib']:.0f}", f"{row['growth_pct']:+.1f}", f"{row['last_third_mib_per_min']:+.2f}")
+    console.print(memory)
     for o in lost[:10]:
         console.print(f"[red]lost[/red]: {o['detail']}")
     reasons: dict[str, int] = {}
@@ -229,7 +266,7 @@ def main() -> None:
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
 
-        fig, (cdf, timeline) = plt.subplots(1, 2, figsize=(13, 4))
+        fig, (cdf, timeline, mem) = plt.subplots(1, 3, figsize=(19, 4))
         xs = sorted(o["max_gap_s"] * 1000 for o in done)
         cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
         cdf.set_xscale("log")
@@ -246,6 +283,15 @@ def main() -> None:
         timeline.set_xlabel("request start (s into the soak)")
         timeline.set_ylabel("worst inter-token gap (ms)")
         timeline.legend(loc="lower right", fontsize=7)
+        for pid in survivors:
+            points = [(t, got[pid] / 2**20) for t, got in samples if pid in got]
+            mem.plot([t for t, _ in points], [m for _, m in points], label=processes[pid])
+        for at, _ in injected:
+            mem.axvline(at, color="grey", linestyle=":")
+        mem.set_xlabel("s into the soak")
+        mem.set_ylabel("RSS (MiB)")
+        mem.set_title("memory of the processes alive throughout")
+        mem.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
