@@ -230,7 +230,8 @@ class Conductor:
                 "configured_replicas": rc.replicas,
                 "max_replicas": rc.max_replicas,
                 "replicas": [
-                    {"replica_id": i.replica_id, "node_ip": i.node_ip, "node_id": i.node_id, "in_flight": self.engines.load(i.replica_id), "kv_blocks": i.num_kv_blocks}
+                    {"replica_id": i.replica_id, "node_ip": i.node_ip, "node_id": i.node_id, "in_flight": self.engines.load(i.replica_id),
+                     "warming": len(self._warms.get(i.replica_id, {})), "kv_blocks": i.num_kv_blocks}
                     for i in replicas
                 ],
             }

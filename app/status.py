@@ -62,7 +62,10 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         live = len(r["replicas"])
         want = r["configured_replicas"]
         replicas = f"{live}/{want}" if live == want else f"[red]{live}/{want}[/red]"
-        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, str(sum(x["in_flight"] for x in r["replicas"])))
+        in_flight = sum(x["in_flight"] for x in r["replicas"])
+        # MD warm-ups outlive the relayed requests that started them: streams without a client
+        warming = sum(x["warming"] for x in r["replicas"])
+        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight))
 
     links = Table(title="links", expand=True)
     for col in ("direction", "Mbit/s", "RTT ms", "KV moved", "state"):

@@ -69,3 +69,16 @@ def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_ye
     assert figures_to_show(state, running) == (running, "")
     idle = {"slo": {"recent": {"window_s": 300, "by_pipeline": {}}}}
     assert figures_to_show(idle, first_scrape) == (first_scrape, "")
+
+
+def test_pdd_status_tells_md_warm_ups_from_requests():
+    role = {"datacenter": "dc-b", "accelerator": "cpu", "configured_replicas": 2, "replicas": [
+        {"in_flight": 3, "warming": 2}, {"in_flight": 1, "warming": 0},
+    ]}
+    idle = {**role, "datacenter": "dc-a", "configured_replicas": 1, "replicas": [{"in_flight": 0, "warming": 0}]}
+    state = {"model": "m", "mode": "pdd", "in_flight": 2, "roles": {"main_decode": role, "prefill": idle}, "links": {},
+             "knobs": LiveKnobs().model_dump(mode="json"), "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {}}}}
+    console = Console(width=200, record=True)
+    console.print(render(state, None))
+    rows = {line.split("│")[1].strip(): line.split("│")[5].strip() for line in console.export_text().splitlines() if line.count("│") > 5}
+    assert rows["main_decode"] == "4 (2 warm-ups)" and rows["prefill"] == "0"
