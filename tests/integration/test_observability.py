@@ -147,6 +147,7 @@ def test_state_endpoint(app, traffic):
     assert state["mode"] == "pdd"
     assert {r: len(v["replicas"]) for r, v in state["roles"].items()} == {"prefill": 1, "relay_decode": 1, "main_decode": 1}
     assert state["roles"]["main_decode"]["datacenter"] == "dc-b"
+    assert all(isinstance(r["warming"], int) and r["warming"] >= 0 for v in state["roles"].values() for r in v["replicas"])
     assert state["knobs"]["routing"]["max_wan_transfer_ms"] == app.args["routing"]["max_wan_transfer_ms"]
     assert state["links"]["dc-a->dc-b"]["bytes_down"] > 0
     recent = state["slo"]["recent"]["by_pipeline"]
