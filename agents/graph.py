@@ -38,7 +38,7 @@ from agents.entries import EntrySink
 from agents.figures import slo_figures
 from agents.guard import direction, guard
 from agents.knobs import Change, is_notice, is_replicas, kind_of, role_of, with_knobs
-from agents.memory import Block, Growth, Memory, MemoryBackend, Unit, growth_key, growth_situation, record_history
+from agents.memory import Block, Growth, Memory, MemoryBackend, Unit, growth_key, record_history
 from agents.observe import ObserveError, Snapshot, Source
 from agents.proposal import Decision, Proposal
 from agents.router import Router, hand_to
@@ -178,7 +178,7 @@ def build_graph(deps: Deps) -> StateGraph:
             Snapshot.model_validate(state["snapshot"]), cfg, agents, LiveKnobs.model_validate(state["knobs"]), memory, state["now"]
         )
         memory.streaks = streaks
-        memory.growth = {k: g for k, g in memory.growth.items() if growth_situation(k) in streaks}
+        memory.growth = {k: g for k, g in memory.growth.items() if g.situation in streaks}
         update = {"situations": [s.model_dump(mode="json") for s in found], "memory": memory.model_dump(mode="json")}
         cmd = next_specialist({**state, **update}, [])
         return Command(goto=cmd.goto, update={**update, **cmd.update})
@@ -296,7 +296,8 @@ def build_graph(deps: Deps) -> StateGraph:
             _note_change(memory, change, now)
             p = by_target[change.target]
             if is_replicas(change.target) and direction(change) > 0 and p.figure is not None:
-                memory.growth[growth_key(p.situation_key, change.target)] = Growth(at=now, figure=p.figure, request_rate=snap.request_rate)
+                growth = Growth(situation=p.situation_key, target=change.target, at=now, figure=p.figure, request_rate=snap.request_rate)
+                memory.growth[growth_key(growth.situation, growth.target)] = growth
             _update_entry(state, change.target, now, f"applied{who}; verify after {agents.verify_after_s:g} s")
         for change, err in failed:
             _update_entry(state, change.target, now, f"failed: {err}")
@@ -338,7 +339,7 @@ def build_graph(deps: Deps) -> StateGraph:
             applied, failed = _apply(deps.actuator, v.rollback, knobs)
             for change in applied:
                 _note_change(memory, change, now)
-                memory.growth = {k: g for k, g in memory.growth.items() if not k.endswith("|" + change.target)}
+                memory.growth = {k: g for k, g in memory.growth.items() if g.target != change.target}
                 way = direction(change.reverse())
                 last = memory.blocked.get(change.target)
                 strikes = last.strikes + 1 if last is not None and last.direction == way else 1

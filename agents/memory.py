@@ -49,6 +49,9 @@ class Block(BaseModel):
 class Growth(BaseModel):
     """A replica added for a situation: another for it waits until this one has eased it."""
 
+    situation: str
+    """Its situation's key: the record lasts while the situation does."""
+    target: str
     at: float
     figure: float
     """The situation's figure when the replica was added."""
@@ -81,10 +84,6 @@ _FIELDS = tuple(Memory.model_fields)
 
 def growth_key(situation_key: str, target: str) -> str:
     return f"{situation_key}|{target}"
-
-
-def growth_situation(key: str) -> str:
-    return key.partition("|")[0]
 
 
 class MemoryBackend(Protocol):

@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,16 +70,19 @@ def serving_processes() -> dict[int, str]:
     return replicas
 
 
+def rss_mib(samples: list[tuple[float, dict[int, int]]], pid: int) -> tuple[list[float], list[float]]:
+    """One process's samples: seconds into the soak, RSS in MiB."""
+    points = [(t, got[pid] / 2**20) for t, got in samples if pid in got]
+    return [t for t, _ in points], [m for _, m in points]
+
+
 def last_third_mib_per_min(samples: list[tuple[float, dict[int, int]]], pid: int) -> float:
     """Least-squares RSS slope over the last third of the samples: near 0 once a process has levelled off."""
-    points = [(t, got[pid] / 2**20) for t, got in samples if pid in got]
-    tail = points[len(points) * 2 // 3:]
-    if len(tail) < 2:
+    ts, mibs = rss_mib(samples, pid)
+    tail = len(ts) * 2 // 3
+    if len(ts) - tail < 2:
         return float("nan")
-    mean_t = sum(t for t, _ in tail) / len(tail)
-    mean_m = sum(m for _, m in tail) / len(tail)
-    var = sum((t - mean_t) ** 2 for t, _ in tail)
-    return sum((t - mean_t) * (m - mean_m) for t, m in tail) / var * 60 if var else float("nan")
+    return statistics.linear_regression(ts[tail:], mibs[tail:]).slope * 60
 
 
 def rss(pids) -> dict[int, int]:
@@ -284,8 +288,7 @@ def main() -> None:
         timeline.set_ylabel("worst inter-token gap (ms)")
         timeline.legend(loc="lower right", fontsize=7)
         for pid in survivors:
-            points = [(t, got[pid] / 2**20) for t, got in samples if pid in got]
-            mem.plot([t for t, _ in points], [m for _, m in points], label=processes[pid])
+            mem.plot(*rss_mib(samples, pid), label=processes[pid])
         for at, _ in injected:
             mem.axvline(at, color="grey", linestyle=":")
         mem.set_xlabel("s into the soak")

@@ -100,7 +100,7 @@ def test_rolled_back_move_is_blocked_in_that_direction_only():
     assert d.status == "accepted"
 
 
-GREW_FOR_HIT_GAP = Memory(growth={growth_key("md_hit_behind", "replicas.main_decode"): Growth(at=NOW - 600, figure=0.3, request_rate=5.0)})
+GREW_FOR_HIT_GAP = Memory(growth={growth_key("md_hit_behind", "replicas.main_decode"): Growth(situation="md_hit_behind", target="replicas.main_decode", at=NOW - 600, figure=0.3, request_rate=5.0)})
 
 
 @pytest.mark.parametrize("figure,request_rate,status", [
