@@ -43,12 +43,21 @@ class EngineClient:
         self._replicas: dict[str, ReplicaInfo] = {}
         self._channels: dict[str, TokenStreamClient] = {}
         self._suspect: dict[str, float] = {}
+        self._describing: dict[str, asyncio.Task] = {}
+        """Replica id -> its description in flight, which every caller shares."""
 
     def roles(self) -> list[RoleName]:
         return list(self._handles)
 
-    async def replicas(self, role: RoleName) -> list[ReplicaInfo]:
-        """Live replicas of a role, each described once (node, datacenter, cache size, port)."""
+    async def replicas(self, role: RoleName, *, wait: bool = True) -> list[ReplicaInfo]:
+        """Live replicas of a role, each described once (node, datacenter, cache size, port).
+
+        A replica Serve lists that is not described yet (new, or a replacement) is described
+        in the background. The call waits for that only while the role has no other
+        replica to offer, and only if `wait`: a role the request can do without (the
+        relay) is then "none now" rather than a wait of up to DESCRIBE_TIMEOUT_S, which a
+        replica that died before it was described would cost every request meanwhile.
+        One that does not answer is left out of routing for SUSPECT_S."""
         name = DEPLOYMENT_NAMES[role]
         live = live_replicas(name)
         if live is None:  # the router is built on first use; one call builds it
@@ -56,16 +65,35 @@ class EngineClient:
             if info is not None:
                 self._replicas[info.replica_id] = info
             live = live_replicas(name) or (frozenset({info.replica_id}) if info is not None else frozenset())
-        missing = [rid for rid in live if rid not in self._replicas]
-        if missing:
-            for info in await asyncio.gather(*(self._describe(role, rid) for rid in missing)):
-                if info is not None:
-                    self._replicas[info.replica_id] = info
         for rid in [r for r in self._channels if r not in live and r in self._replicas and self._replicas[r].role == role.value]:
             await self._channels.pop(rid).close()
         now = time.monotonic()
-        healthy = [rid for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]
-        return [self._replicas[rid] for rid in healthy]
+        pending = [self._description(role, rid) for rid in live if rid not in self._replicas and self._suspect.get(rid, 0) <= now]
+        healthy = self._healthy(live)
+        if pending and wait and not healthy:
+            await asyncio.wait(pending)
+            healthy = self._healthy(live)
+        return healthy
+
+    def _healthy(self, live: frozenset[str]) -> list[ReplicaInfo]:
+        now = time.monotonic()
+        return [self._replicas[rid] for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]
+
+    def _description(self, role: RoleName, replica_id: str) -> asyncio.Task:
+        task = self._describing.get(replica_id)
+        if task is None:
+            task = self._describing[replica_id] = asyncio.create_task(self._learn(role, replica_id))
+        return task
+
+    async def _learn(self, role: RoleName, replica_id: str) -> None:
+        try:
+            info = await self._describe(role, replica_id)
+            if info is None:
+                self.suspect(replica_id)
+            else:
+                self._replicas[replica_id] = info
+        finally:
+            self._describing.pop(replica_id, None)
 
     async def _describe(self, role: RoleName, replica_id: str | None = None) -> ReplicaInfo | None:
         """A replica's description (`replica_id`'s, or any one's); None when none answers in time."""

@@ -1,4 +1,5 @@
-"""The conductor's view of engine replicas: a role with none alive answers "none", at once."""
+"""The conductor's view of engine replicas: a role with none alive answers "none", at once;
+a replica Serve lists that cannot describe itself costs routing one bounded wait, not one per request."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class _Describe:
         self.calls += 1
 
         async def answer() -> ReplicaInfo:
-            if not self.alive:
+            if not self.alive or (target_replica is not None and target_replica not in self.alive):
                 await asyncio.Event().wait()
             return _info(target_replica or self.alive[0])
 
@@ -81,3 +82,40 @@ def test_live_replicas_are_described_once(router_state):
     assert handle.describe.calls == 2
     client.suspect("md-1")
     assert [i.replica_id for i in _replicas(client)[0]] == ["md-2"]
+
+
+def test_concurrent_requests_share_one_description_and_a_dead_replica_is_not_waited_for_again(router_state):
+    handle = _Handle(alive=[])  # Serve still lists a replacement that died before it answered
+    router_state[MAIN] = frozenset({"md-2"})
+    client = EngineClient({RoleName.main_decode: handle})
+
+    async def burst() -> list[list[ReplicaInfo]]:
+        return await asyncio.gather(*(client.replicas(RoleName.main_decode) for _ in range(5)))
+
+    assert asyncio.run(burst()) == [[]] * 5
+    assert handle.describe.calls == 1
+    found, elapsed = _replicas(client)  # left out of routing now: no second wait
+    assert found == [] and handle.describe.calls == 1 and elapsed < 0.1
+
+
+def test_a_new_replica_is_described_in_the_background_while_another_serves(router_state):
+    handle = _Handle(alive=["md-1", "md-2"])
+    router_state[MAIN] = frozenset({"md-1"})
+    client = EngineClient({RoleName.main_decode: handle})
+
+    async def scale_up() -> tuple[list[str], list[str]]:
+        await client.replicas(RoleName.main_decode)
+        router_state[MAIN] = frozenset({"md-1", "md-2"})
+        at_once = [i.replica_id for i in await client.replicas(RoleName.main_decode)]
+        await asyncio.sleep(0.05)
+        return at_once, [i.replica_id for i in await client.replicas(RoleName.main_decode)]
+
+    assert asyncio.run(scale_up()) == (["md-1"], ["md-1", "md-2"])
+
+
+def test_a_role_the_request_can_do_without_does_not_wait_for_a_description(router_state):
+    handle = _Handle(alive=[])
+    router_state[MAIN] = frozenset({"md-2"})
+    t0 = time.monotonic()
+    found = asyncio.run(EngineClient({RoleName.main_decode: handle}).replicas(RoleName.main_decode, wait=False))
+    assert found == [] and time.monotonic() - t0 < 0.1 and handle.describe.calls == 1
