@@ -116,6 +116,7 @@ def fleet_config(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs) 
 _FINISHER = {
     Pipeline.p_md: RoleName.main_decode,
     Pipeline.p_rld_md: RoleName.main_decode,
+    Pipeline.p_p_md: RoleName.main_decode,
     Pipeline.p_d_naive: RoleName.main_decode,
     Pipeline.colocated: RoleName.main_decode,
     Pipeline.p_d: RoleName.relay_decode,

@@ -287,6 +287,13 @@ class RoutingConfig(_Strict):
     max_relay_load: Annotated[float, Field(gt=0, le=1)] = 0.9
     """RLD occupancy (active relays / max_num_seqs) above which new requests
     skip the relay (P-MD) rather than overload RLD."""
+    prefill_relays: bool = True
+    """While no relay decoder is alive (its replica died and Serve is replacing
+    it, or none is deployed), the prefill replica that computed a request's
+    prompt relays it (P-P-MD) where P-RLD-MD would have been taken: the client
+    sees P's tokens while MD pulls, not the WAN pull as a gap. P then decodes
+    besides prefilling (at most the relay cap, scaled by P's own occupancy);
+    false sends those requests P-MD."""
     singular: SingularFilterConfig = SingularFilterConfig()
 
 

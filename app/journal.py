@@ -44,7 +44,7 @@ class Journey:
     max_tokens: int
     started_at: float = field(default_factory=time.time)
     pipeline: str | None = None
-    """Which path the request took: colocated, P-D, P-MD, P-RLD-MD, P-RLD (singular)."""
+    """Which path the request took: colocated, P-D, P-MD, P-RLD-MD, P-P-MD (no RLD alive), P-RLD (singular)."""
     decision: dict[str, Any] = field(default_factory=dict)
     """The policy's inputs and reason (expected WAN ms, MD hit estimate, ...)."""
     replicas: dict[str, str] = field(default_factory=dict)

@@ -10,6 +10,8 @@ Rules (../shared/PDD.md):
 - P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter
   (ultra-long, low-hit input with a tiny output) and while the WAN is down,
   because requests ending at RLD leave MD's cache behind P's and overload RLD.
+- While no RLD is alive, the prefill replica relays instead (P-P-MD), unless
+  `routing.prefill_relays` is off.
 - A saturated RLD is not given more relays: the request goes P-MD and pays the
   transfer rather than queueing behind other relays.
 - A conversation stays on the replicas holding its context until their batch is
@@ -33,6 +35,8 @@ class Pipeline(str, Enum):
     """Classic PD across the WAN, full KV, first token from the decoder (pd_cross_dc_naive)."""
     p_md = "P-MD"
     p_rld_md = "P-RLD-MD"
+    p_p_md = "P-P-MD"
+    """P-RLD-MD with the prefill replica as the relay, while no relay decoder is alive."""
     p_rld = "P-RLD"
     """Singular filter only."""
 
@@ -157,6 +161,8 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingCo
     if cheap and hit_ok:
         return decide(Pipeline.p_md, f"WAN transfer {wan_ms:.0f} ms within {routing.max_wan_transfer_ms:.0f} ms")
     if not cluster.rld_available:
+        if routing.prefill_relays and cluster.md_available:
+            return decide(Pipeline.p_p_md, "no relay decoder alive: prefill relays while MD pulls")
         return decide(Pipeline.p_md, "no relay decoder available")
     if is_singular(req, hit, routing):
         return decide(Pipeline.p_rld, f"singular: {req.prompt_tokens}-token prompt, hit {hit:.0%}, {req.max_tokens} output tokens")

@@ -11,6 +11,10 @@ P-RLD-MD, step by step (../shared/DESIGN.md, Request flow):
    continues, then the rest). RLD is aborted at the handoff point; the client
    stream continues from MD with no gap, duplicate or missing token.
 
+P-P-MD, while no relay decoder is alive: the same, with the prefill replica that
+computed the prompt as the relay (its prefix cache holds the prompt's KV, leased
+for MD's pull, so step 2 pulls nothing).
+
 All decisions (pipeline, handoff mode and steps, relay cap) come from
 app/policy.py, the functions the digital twin runs too.
 """
@@ -52,14 +56,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def occupancy(c: "Conductor", role: RoleName, replica: ReplicaInfo) -> float:
+    """Requests the conductor has in flight on `replica` over its batch limit."""
+    return c.engines.load(replica.replica_id) / c.config.roles.get(role).engine.max_num_seqs
+
+
 async def rld_load(c: "Conductor") -> tuple[ReplicaInfo | None, float]:
-    """The least loaded RLD replica and its occupancy (relays in flight / batch limit)."""
-    infos = await c.engines.replicas(RoleName.relay_decode)
-    rc = c.config.roles.relay_decode
-    if not infos or rc is None:
+    """The least loaded RLD replica and its occupancy (relays in flight / batch limit).
+    A request can do without a relay: it does not wait for a new RLD replica's description."""
+    infos = await c.engines.replicas(RoleName.relay_decode, wait=False)
+    if not infos or c.config.roles.relay_decode is None:
         return None, 1.0
     best = min(infos, key=lambda i: c.engines.load(i.replica_id))
-    return best, c.engines.load(best.replica_id) / rc.engine.max_num_seqs
+    return best, occupancy(c, RoleName.relay_decode, best)
 
 
 async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journey) -> AsyncIterator["Tokens"]:
@@ -107,7 +116,7 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     if wan_down is not None:
         journey.decision["wan_down"] = wan_down
     consumers = 2 if decision.pipeline is Pipeline.p_rld_md else 1
-    first, _ = await c.prefill(req, journey, consumers, keys)
+    first, p = await c.prefill(req, journey, consumers, keys)
     lease = (first.kv_transfer_params or {}).get(LEASE)
     if first.finish_reason != "length" or req.sampling.max_tokens == 1:
         for _ in range(consumers):
@@ -125,9 +134,11 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
             c.unroute(md, keys)
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
+    elif decision.pipeline is Pipeline.p_p_md:  # no relay decoder alive: P relays what it prefilled
+        stream = Relay(c, req, journey, md, RoleName.prefill, p, p, first, lease, keys, occupancy(c, RoleName.prefill, p), wan_bytes, pending).run()
     else:
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
-        stream = Relay(c, req, journey, md, rld, first, lease, keys, load, wan_bytes, pending).run()
+        stream = Relay(c, req, journey, md, RoleName.relay_decode, rld, p, first, lease, keys, load, wan_bytes, pending).run()
     async with aclosing(stream):
         async for batch in stream:
             yield batch
@@ -137,7 +148,8 @@ _END = object()
 
 
 class Relay:
-    """One P-RLD-MD request from the first token on."""
+    """One P-RLD-MD request from the first token on (P-P-MD: the relay is the prefill
+    replica, which holds the prompt's KV already and pulls nothing)."""
 
     def __init__(
         self,
@@ -145,7 +157,9 @@ class Relay:
         req: "GenerationRequest",
         journey: Journey,
         md: ReplicaInfo,
-        rld: ReplicaInfo,
+        relay_role: RoleName,
+        relay: ReplicaInfo,
+        prefill: ReplicaInfo,
         first: EngineDelta,
         lease: dict[str, Any],
         keys: list[int],
@@ -154,7 +168,9 @@ class Relay:
         previous_warm: asyncio.Task | None,
     ):
         self.c, self.req, self.journey = c, req, journey
-        self.md, self.rld, self.first, self.lease, self.keys = md, rld, first, lease, keys
+        self.md, self.relay_role, self.relay, self.first, self.lease, self.keys = md, relay_role, relay, first, lease, keys
+        self.prefill = prefill
+        """The replica that prefilled the prompt (and still holds it): the relay's fallback."""
         handoff = c.knobs.handoff
         self.handoff = handoff
         self.mode: HandoffMode = resolve_handoff_mode(handoff, load)
@@ -183,13 +199,17 @@ class Relay:
 
     async def _pump(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         try:
-            async for delta in self.c.decode_stream(RoleName.relay_decode, self.rld, request, self.journey):
+            async for delta in self.c.decode_stream(self.relay_role, self.relay, request, self.journey):
                 queue.put_nowait(delta)
                 if delta.finished:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - RLD failed: MD takes over early
+        except Exception as exc:  # noqa: BLE001 - the relay failed: P relays on, or MD takes over early
+            from app.conductor import ENGINE_FAILURES
+
+            if isinstance(exc, ENGINE_FAILURES):  # the next requests do not try it while Serve replaces it
+                self.c.engines.suspect(self.relay.replica_id)
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(_END)
@@ -198,15 +218,18 @@ class Relay:
         from app.conductor import Tokens
 
         c, req = self.c, self.req
-        rld_request = EngineRequest(
-            f"{req.request_id}-rld",
-            req.prompt_token_ids + self.out,
-            replace(req.sampling, max_tokens=req.sampling.max_tokens - len(self.out)),
-            kv_transfer_params=await c.pull_params(self.lease, self.rld.datacenter),
-        )
+        if self.relay_role is RoleName.relay_decode:
+            relay_request = EngineRequest(
+                f"{req.request_id}-rld",
+                req.prompt_token_ids + self.out,
+                replace(req.sampling, max_tokens=req.sampling.max_tokens - len(self.out)),
+                kv_transfer_params=await c.pull_params(self.lease, self.relay.datacenter),
+            )
+        else:
+            relay_request = self._prefill_relay_request()
         warm = self._md_request("warm", list(self.out), 1, await c.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
         queue: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(rld_request, queue))
+        pump = asyncio.create_task(self._pump(relay_request, queue))
         md_task: asyncio.Task | None = asyncio.create_task(self._warm(warm))
         c.track_warm(self.md, self.keys, md_task)
         md_covers = len(self.out)  # tokens of `out` whose KV the running/finished MD step computes
@@ -220,10 +243,16 @@ class Relay:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if next_item in done:
                     item = next_item.result()
-                    if item is _END or isinstance(item, Exception):
+                    if isinstance(item, Exception) and self.relay_role is RoleName.relay_decode:
+                        self.journey.decision["rld_failure"] = f"{type(item).__name__}: {item}"
+                        if self._relay_on_prefill(item):
+                            queue = asyncio.Queue()
+                            pump = asyncio.create_task(self._pump(self._prefill_relay_request(), queue))
+                            next_item = asyncio.create_task(queue.get())
+                        else:
+                            relaying = False
+                    elif isinstance(item, Exception) or item is _END:
                         relaying = False
-                        if isinstance(item, Exception):
-                            self.journey.decision["rld_failure"] = f"{type(item).__name__}: {item}"
                     else:
                         tokens = item.token_ids[: max(0, self.cap - (len(self.out) - 1))]
                         self.out += tokens
@@ -232,10 +261,10 @@ class Relay:
                             self._finish_md_in_background(md_task)
                             md_task = None
                             self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "relay finished the request"}
-                            yield Tokens(tokens, RoleName.relay_decode, item.finish_reason)
+                            yield Tokens(tokens, self.relay_role, item.finish_reason)
                             return
                         if tokens:
-                            yield Tokens(tokens, RoleName.relay_decode)
+                            yield Tokens(tokens, self.relay_role)
                         if len(self.out) - 1 >= self.cap:
                             relaying = False
                             self.journey.decision["relay_capped_at"] = self.cap
@@ -312,6 +341,26 @@ class Relay:
             if not finished and served_by is RoleName.main_decode:
                 self.c.remember(self.md, req.prompt_token_ids + output)
             raise
+
+    def _relay_on_prefill(self, failure: Exception) -> bool:
+        """RLD failed mid-relay: the prefill replica takes the relay over from the tokens sent
+        (as P-P-MD's relay), so the stream does not wait for MD's pull. True if it does."""
+        if not self.c.knobs.routing.prefill_relays:
+            return False
+        self.journey.failovers.append({"from_role": RoleName.relay_decode.value, "from_replica": self.relay.replica_id,
+                                       "to_role": RoleName.prefill.value, "to_replica": self.prefill.replica_id,
+                                       "at_token": len(self.out), "error": str(failure)})
+        metrics.registry().inc(metrics.FAILOVERS, from_role=RoleName.relay_decode.value, to_role=RoleName.prefill.value)
+        self.relay_role, self.relay = RoleName.prefill, self.prefill
+        return True
+
+    def _prefill_relay_request(self) -> EngineRequest:
+        """The prefill replica relays from the tokens sent; its own prefix cache holds the prompt."""
+        return EngineRequest(
+            f"{self.req.request_id}-prelay",
+            self.req.prompt_token_ids + self.out,
+            replace(self.req.sampling, max_tokens=self.req.sampling.max_tokens - len(self.out)),
+        )
 
     def _finish_md_in_background(self, md_task: asyncio.Task | None) -> None:
         """The relay finished the request. MD's warm-up still runs to completion, then

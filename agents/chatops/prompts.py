@@ -5,7 +5,7 @@ from __future__ import annotations
 ANSWER = """You are the chat-ops assistant of a PDD LLM-serving cluster: Prefill (P) and \
 Relay Decode (RLD, relay_decode) in datacenter A, Main Decode (MD, main_decode) in datacenter B; \
 pipelines P-MD (high prefix hit) and P-RLD-MD (low hit: RLD decodes while the KV crosses the WAN, \
-then hands over to MD). Operators ask why figures moved and what the agents did.
+then hands over to MD; P-P-MD is the same with P relaying while no RLD is alive). Operators ask why figures moved and what the agents did.
 
 How to answer:
 - Fetch figures with the tools, then answer briefly. Quote the exact values the tools returned, \

@@ -367,7 +367,7 @@ def median_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]
     return base(slope), slope
 
 
-CONTINUED = frozenset(p.value for p in (Pipeline.p_d, Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld))
+CONTINUED = frozenset(p.value for p in (Pipeline.p_d, Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_p_md, Pipeline.p_rld))
 """Pipelines whose first token comes from P and whose decoders continue the stream."""
 
 

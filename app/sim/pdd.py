@@ -17,6 +17,8 @@ MD is routed first, then the pipeline chosen, then P routed.
   which is then the final one. A request RLD finishes before any
   handoff ends there; MD's step in flight still completes and lands in its
   cache.
+- P-P-MD (no relay decoder alive): P-RLD-MD with the prefill instance as
+  the relay; it holds the prompt, so nothing crosses the intra-DC link.
 - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
   everything. Outages (`Outage`) set those facts for requests routed
   during them; a transfer cannot start on a down link until it is back.
@@ -44,7 +46,7 @@ from app.policy import (
 from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.jobs import Job
 
-P_MD, P_RLD_MD, P_RLD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_d_naive
+P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive
 
 
 class PDDPipelines:
@@ -61,7 +63,7 @@ class PDDPipelines:
             md_cached = max(md_cached, covered * self.block)
         job.md = md
         # relay.rld_load: the least loaded relay decoder and its occupancy
-        rld = min(self.R, key=self._streams) if self.R else None
+        rld = min(self.R, key=self._streams) if self.R and not self._down("relay_decode") else None
         load = rld.streams / rld.max_seqs if rld is not None else 1.0
         key = (load, rld is not None, not self._down("wan"), md is not None)
         facts = self._cluster_facts.get(key)
@@ -73,7 +75,7 @@ class PDDPipelines:
         decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
         job.pipe = pipe = decision.pipeline
         job.wan_planned = decision.blocks_to_send * self.block_bytes
-        if pipe is not P_MD:
+        if pipe is P_RLD_MD or pipe is P_RLD:
             job.r = rld
             job.cap = relay_cap(self.handoff, load)
             job.hmode = resolve_handoff_mode(self.handoff, load)
@@ -104,6 +106,16 @@ class PDDPipelines:
             return
         if pipe is P_MD:
             job.pulls = 1
+        elif pipe is P_P_MD:  # relay.occupancy: P's own, now that its prefill is done
+            r = job.r = job.p
+            load = r.streams / r.max_seqs
+            job.cap = relay_cap(self.handoff, load)
+            job.hmode = resolve_handoff_mode(self.handoff, load)
+            r.streams += 1
+            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
+            job.pulls = 1
+            job.warm = self.pending.track(job.md.name, job.keys)
+            self.loop.at(self.loop.now + self.decoder_overhead_s, self._start_relay, job)
         else:
             r = job.r
             r.streams += 1
@@ -139,6 +151,10 @@ class PDDPipelines:
     @cython.locals(job=Job)
     def _relay_pulled(self, job: Job) -> None:
         self._pull_done(job)
+        self._start_relay(job)
+
+    @cython.locals(job=Job)
+    def _start_relay(self, job: Job) -> None:
         req = job.req
         if job.handed:  # MD took over before the relay could start: its request was aborted
             self._end_relay(job, req.prompt_tokens)

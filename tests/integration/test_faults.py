@@ -160,13 +160,40 @@ def test_main_decoder_dies_mid_stream(app, faults, prom):
 
 
 def test_relay_decoder_dies_during_the_relay(app, faults):
-    # low hit, long output: relays in flight when RLD dies; MD takes over early
+    # low hit, long output: relays in flight when RLD dies; the prefill replica relays on
+    # from the tokens sent, then MD takes over as from RLD
     batch = Batch(app, [fresh(2400) for _ in range(3)], max_tokens=400, warm_tokens=12)
     asyncio.run(batch.run(lambda: faults.kill_replica("RelayDecode")))
     journeys = batch.check(app)
     assert not any(batch.errors), batch.errors
-    assert any("rld_failure" in j["decision"] for j in journeys), [j["decision"] for j in journeys]
-    assert all(j["token_sources"][-1][0] == "main_decode" for j in journeys)
+    failed = [j for j in journeys if "rld_failure" in j["decision"]]
+    assert failed, [j["decision"] for j in journeys]
+    for j in failed:
+        f = j["failovers"][0]
+        assert (f["from_role"], f["to_role"], f["to_replica"]) == ("relay_decode", "prefill", j["replicas"]["prefill"]), j["failovers"]
+    # MD's pull outlasts the few tokens RLD made: P streamed between RLD and MD
+    assert any([role for role, _ in j["token_sources"]][1:3] == ["relay_decode", "prefill"] for j in failed), [j["token_sources"] for j in failed]
+    # MD took over, or P's relay finished the request first (MD then catches up on it)
+    assert all(j["token_sources"][-1][0] == "main_decode" or j["handoff"]["reason"] == "relay finished the request" for j in journeys)
+    assert leases_back_to_zero(app)
+
+
+def test_prefill_relays_while_the_relay_decoder_is_replaced(app, faults):
+    faults.kill_replica("RelayDecode")
+    # the first turns may still meet the dead replica (then MD takes over); the conductor
+    # stops routing to it, and until Serve's replacement is up P relays
+    deadline = time.monotonic() + 60
+    turns = []
+    while time.monotonic() < deadline and not any(j["pipeline"] == "P-P-MD" for _, _, j in turns):
+        prompt = fresh(2400)
+        turns.append((prompt, *completion(app, prompt, 40)))
+    relayed = [(prompt, text, j) for prompt, text, j in turns if j["pipeline"] == "P-P-MD"]
+    assert relayed, [(j["pipeline"], j["decision"]) for _, _, j in turns]
+    prompt, text, j = relayed[0]
+    assert text == completion(app, prompt, 40, mode="colocated")[0]
+    assert "prefill relays" in j["decision"]["reason"]
+    assert j["token_sources"][0][0] == "prefill" and j["token_sources"][0][1] > 1, j["token_sources"]
+    assert "relay_decode" not in j["replicas"]
     assert leases_back_to_zero(app)
 
 

@@ -33,8 +33,8 @@ for mode in Mode:
     for handoff in (["one_shot", "catch_up", "auto"] if mode is Mode.pdd else ["auto"]):
         config = derive(base, mode=mode)
         config = config.model_copy(update={"handoff": config.handoff.model_copy(update={"mode": handoff})})
-        # outages put P-RLD (and P-RLD-MD's waits on a cut link) in the mix
-        outages = [Outage(30, 60, "wan"), Outage(90, 100, "main_decode")] if mode is Mode.pdd else []
+        # outages put P-RLD, P-P-MD (and P-RLD-MD's waits on a cut link) in the mix
+        outages = [Outage(30, 60, "wan"), Outage(90, 100, "main_decode"), Outage(110, 130, "relay_decode")] if mode is Mode.pdd else []
         run = simulate(config, w, seed=5, outages=outages)
         out["runs"][f"{mode.value}/{handoff}"] = [repr(dataclasses.astuple(r)) for r in run.records()]
 json.dump(out, sys.stdout)

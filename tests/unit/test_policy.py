@@ -90,10 +90,6 @@ def test_saturated_relay_sends_p_md():
     assert d.pipeline is Pipeline.p_md and "saturated" in d.reason
 
 
-def test_no_relay_available_sends_p_md():
-    assert choose_pipeline(RequestFacts(4000, 100, 0), cluster(rld=False), routing()).pipeline is Pipeline.p_md
-
-
 def test_singular_filter_finishes_on_rld():
     r = routing(singular=SingularFilterConfig(min_prompt_tokens=2048, max_hit_rate=0.2, max_output_tokens=8))
     assert choose_pipeline(RequestFacts(4000, 4, 0), cluster(), r).pipeline is Pipeline.p_rld
@@ -124,6 +120,7 @@ routing_st = st.builds(
     max_wan_transfer_ms=st.floats(0, 10_000),
     min_hit_rate=st.none() | st.floats(0, 1),
     max_relay_load=st.floats(0.01, 1),
+    prefill_relays=st.booleans(),
     singular=st.builds(SingularFilterConfig, enabled=st.booleans(), min_prompt_tokens=st.integers(1, 100_000), max_hit_rate=st.floats(0, 1), max_output_tokens=st.integers(1, 100)),
 )
 
@@ -132,12 +129,14 @@ routing_st = st.builds(
 @given(facts_st, cluster_st, routing_st)
 def test_p_rld_only_through_the_singular_filter(facts, cl, r):
     d = choose_pipeline(facts, cl, r)
-    assert d.pipeline in (Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld)
+    assert d.pipeline in (Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md)
     if d.pipeline is Pipeline.p_rld and cl.wan_up:
         s = r.singular
         assert s.enabled and facts.prompt_tokens >= s.min_prompt_tokens and facts.max_tokens <= s.max_output_tokens
         assert d.md_hit_rate <= s.max_hit_rate and cl.rld_available
-    if d.pipeline is not Pipeline.p_md:
+    if d.pipeline is Pipeline.p_p_md:
+        assert r.prefill_relays and not cl.rld_available
+    elif d.pipeline is not Pipeline.p_md:
         assert cl.rld_available
 
 
@@ -183,4 +182,17 @@ def test_wan_outage_finishes_requests_in_datacenter_a():
     d = choose_pipeline(RequestFacts(4000, 100, 3968), down, routing())
     assert d.pipeline is Pipeline.p_rld and "WAN down" in d.reason
     no_relay = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, rld_available=False, wan_up=False)
-    assert choose_pipeline(RequestFacts(4000, 100, 0), no_relay, routing()).pipeline is Pipeline.p_md
+    # MD's pull fails on the cut link and MD recomputes the prompt; P relays meanwhile
+    assert choose_pipeline(RequestFacts(4000, 100, 0), no_relay, routing()).pipeline is Pipeline.p_p_md
+    assert choose_pipeline(RequestFacts(4000, 100, 0), no_relay, routing(prefill_relays=False)).pipeline is Pipeline.p_md
+
+
+def test_prefill_relays_while_no_relay_decoder_is_alive():
+    lacking = RequestFacts(4000, 100, 0)
+    d = choose_pipeline(lacking, cluster(rld=False), routing())
+    assert d.pipeline is Pipeline.p_p_md and "prefill relays" in d.reason
+    assert choose_pipeline(lacking, cluster(rld=False), routing(prefill_relays=False)).pipeline is Pipeline.p_md
+    # a cheap transfer needs no relay, alive or not
+    assert choose_pipeline(RequestFacts(4000, 100, 3968), cluster(rld=False), routing()).pipeline is Pipeline.p_md
+    # a saturated relay decoder is alive: its requests pay the transfer, they do not load P
+    assert choose_pipeline(lacking, cluster(load=1.0), routing()).pipeline is Pipeline.p_md

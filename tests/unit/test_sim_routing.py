@@ -229,7 +229,7 @@ def test_a_conversation_stays_on_its_replicas_turn_after_turn():
     assert md_estimates[0] == 0 and all(est > 0 for est in md_estimates[1:])
 
 
-# ---- outages: P-RLD while the WAN is cut or no main decoder is alive ---------------------------
+# ---- outages: P-RLD while the WAN is cut or no main decoder is alive, P-P-MD while no relay decoder is --
 
 @pytest.mark.parametrize("what", ["wan", "main_decode"])
 def test_outage_sends_requests_to_the_relay_and_back_after(what):
@@ -240,9 +240,29 @@ def test_outage_sends_requests_to_the_relay_and_back_after(what):
     assert all(r.wan_bytes == 0 for r in run.records() if r.pipeline is Pipeline.p_rld)
 
 
+def test_prefill_relays_while_no_relay_decoder_is_alive():
+    reqs = [Request(float(t), f"s{t}", 20_000, 0, 100) for t in range(0, 30, 3)]
+    outage = [Outage(10.0, 20.0, "relay_decode")]
+    run = simulate(tiny_config("pdd", routing={"max_wan_transfer_ms": 0}), reqs, outages=outage)
+    pipes = [(r.arrival_s, r.pipeline) for r in run.records()]
+    assert all((p is Pipeline.p_p_md) == (10 <= t < 20) for t, p in pipes)
+    relayed = [r for r in run.records() if r.pipeline is Pipeline.p_p_md]
+    assert all(r.relay_tokens > 0 and r.wan_bytes > 0 for r in relayed)
+    # without P's relay those requests show MD's WAN pull as a gap
+    without = tiny_config("pdd", routing={"max_wan_transfer_ms": 0, "prefill_relays": False})
+    pulled = [r for r in simulate(without, reqs, outages=outage).records() if 10 <= r.arrival_s < 20]
+    assert all(r.pipeline is Pipeline.p_md for r in pulled)
+    assert max(r.max_gap_s for r in relayed) < min(r.max_gap_s for r in pulled) / 2
+
+
 def test_unknown_outage_kind_is_refused():
     with pytest.raises(ValueError, match="outage"):
         simulate(tiny_config("pdd"), [Request(0.0, "s", 100, 0, 2)], outages=[Outage(0, 1, "prefill")])
+
+
+def test_no_decoder_alive_at_all_is_refused():
+    with pytest.raises(ValueError, match="neither decoder alive"):
+        simulate(tiny_config("pdd"), [Request(0.0, "s", 100, 0, 2)], outages=[Outage(0, 2, "main_decode"), Outage(1, 3, "relay_decode")])
 
 
 def test_a_transfer_waits_for_the_cut_link():
@@ -256,7 +276,7 @@ def test_random_outages_keep_conservation():
     rng = random.Random(3)
     reqs = sorted((Request(rng.uniform(0, 30), rng.randrange(8), rng.randrange(100, 6000), 0, rng.randrange(1, 300))
                    for _ in range(80)), key=lambda r: r.arrival_s)
-    outages = [Outage(5, 9, "wan"), Outage(8, 15, "main_decode"), Outage(20, 21, "wan")]
+    outages = [Outage(5, 9, "wan"), Outage(8, 15, "main_decode"), Outage(20, 21, "wan"), Outage(15, 24, "relay_decode")]
     run = simulate(tiny_config("pdd", handoff={"mode": "catch_up", "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64}),
                    reqs, outages=outages)
     assert sorted(r.rid for r in run.records()) == list(range(len(reqs)))
