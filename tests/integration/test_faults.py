@@ -178,7 +178,18 @@ def test_relay_decoder_dies_during_the_relay(app, faults):
     assert leases_back_to_zero(app)
 
 
+def conductor_routes_to_a_relay(app, timeout_s: float = 180) -> bool:
+    """Serve's status can still read healthy before it saw the last kill: wait for the conductor's view."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(f"{app.base_url}/pdd/state", timeout=30).json()["roles"]["relay_decode"]["replicas"]:
+            return True
+        time.sleep(1)
+    return False
+
+
 def test_prefill_relays_while_the_relay_decoder_is_replaced(app, faults):
+    assert conductor_routes_to_a_relay(app), "the relay decoder killed by an earlier test did not come back"
     faults.kill_replica("RelayDecode")
     # the first turns may still meet the dead replica (then MD takes over); the conductor
     # stops routing to it, and until Serve's replacement is up P relays
