@@ -66,7 +66,7 @@ from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.network import PullSlots
 from app.sim.outages import Outage, Outages
-from app.sim.pdd import P_D_NAIVE, P_RLD_MD, PDDPipelines
+from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD, PDDPipelines
 from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
@@ -237,7 +237,7 @@ class Twin(PDDPipelines):
         if pipe is P_D_NAIVE:  # salted blocks serve no later request
             return
         # relay.py remembers MD without the engine's hit (the final request's prefix is MD's own extend steps)
-        self._remember(d, job.full, job, None if pipe is P_RLD_MD else job.dl.hit)
+        self._remember(d, job.full, job, None if pipe is P_RLD_MD or pipe is P_P_MD else job.dl.hit)
 
     # ---- requests ---------------------------------------------------------------------
 
