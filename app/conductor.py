@@ -36,6 +36,13 @@ if TYPE_CHECKING:
     from app.link_directory import LinkDirectory
 
 
+def note_failover(journey: Journey, failed: tuple[RoleName, ReplicaInfo], target: tuple[RoleName, ReplicaInfo], at_token: int, error: Exception) -> None:
+    """A request moved mid-stream off a failed engine: in its journey and the metrics."""
+    journey.failovers.append({"from_role": failed[0].value, "from_replica": failed[1].replica_id, "to_role": target[0].value,
+                              "to_replica": target[1].replica_id, "at_token": at_token, "error": str(error)})
+    metrics.registry().inc(metrics.FAILOVERS, from_role=failed[0].value, to_role=target[0].value)
+
+
 class EngineError(RuntimeError):
     """An engine reported a failure for this request."""
 
@@ -426,8 +433,7 @@ class Conductor:
                     raise
                 so_far = before + produced
                 attempt += 1
-                journey.failovers.append({"from_role": role.value, "from_replica": replica.replica_id, "to_role": target[0].value, "to_replica": target[1].replica_id, "at_token": len(so_far), "error": str(exc)})
-                metrics.registry().inc(metrics.FAILOVERS, from_role=role.value, to_role=target[0].value)
+                note_failover(journey, (role, replica), target, len(so_far), exc)
                 role, replica = target
                 journey.replicas[role.value] = replica.replica_id
                 request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, replace(req.sampling, max_tokens=req.sampling.max_tokens - len(so_far)))

@@ -345,12 +345,11 @@ class Relay:
     def _relay_on_prefill(self, failure: Exception) -> bool:
         """RLD failed mid-relay: the prefill replica takes the relay over from the tokens sent
         (as P-P-MD's relay), so the stream does not wait for MD's pull. True if it does."""
+        from app.conductor import note_failover
+
         if not self.c.knobs.routing.prefill_relays:
             return False
-        self.journey.failovers.append({"from_role": RoleName.relay_decode.value, "from_replica": self.relay.replica_id,
-                                       "to_role": RoleName.prefill.value, "to_replica": self.prefill.replica_id,
-                                       "at_token": len(self.out), "error": str(failure)})
-        metrics.registry().inc(metrics.FAILOVERS, from_role=RoleName.relay_decode.value, to_role=RoleName.prefill.value)
+        note_failover(self.journey, (self.relay_role, self.relay), (RoleName.prefill, self.prefill), len(self.out), failure)
         self.relay_role, self.relay = RoleName.prefill, self.prefill
         return True
 

@@ -76,10 +76,15 @@ class PDDPipelines:
         job.pipe = pipe = decision.pipeline
         job.wan_planned = decision.blocks_to_send * self.block_bytes
         if pipe is P_RLD_MD or pipe is P_RLD:
-            job.r = rld
-            job.cap = relay_cap(self.handoff, load)
-            job.hmode = resolve_handoff_mode(self.handoff, load)
+            self._relay_on(job, rld, load)
         self._start_prefill(job, self._pdd_first)
+
+    @cython.locals(job=Job)
+    def _relay_on(self, job: Job, relay: Instance, load: float) -> None:
+        """The relay's instance, cap and handoff mode, from its occupancy (relay.Relay)."""
+        job.r = relay
+        job.cap = relay_cap(self.handoff, load)
+        job.hmode = resolve_handoff_mode(self.handoff, load)
 
     @staticmethod
     def _streams(inst: Instance) -> int:
@@ -106,22 +111,18 @@ class PDDPipelines:
             return
         if pipe is P_MD:
             job.pulls = 1
-        elif pipe is P_P_MD:  # relay.occupancy: P's own, now that its prefill is done
-            r = job.r = job.p
-            load = r.streams / r.max_seqs
-            job.cap = relay_cap(self.handoff, load)
-            job.hmode = resolve_handoff_mode(self.handoff, load)
-            r.streams += 1
-            job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
-            job.pulls = 1
-            job.warm = self.pending.track(job.md.name, job.keys)
-            self.loop.at(self.loop.now + self.decoder_overhead_s, self._start_relay, job)
         else:
+            if pipe is P_P_MD:  # relay.occupancy: P's own, now that its prefill is done
+                self._relay_on(job, job.p, job.p.streams / job.p.max_seqs)
             r = job.r
             r.streams += 1
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
-            job.pulls = 2
-            self._send(self.intra, r, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
+            if pipe is P_P_MD:  # P holds the prompt: nothing crosses the intra-DC link
+                job.pulls = 1
+                self.loop.at(self.loop.now + self.decoder_overhead_s, self._start_relay, job)
+            else:
+                job.pulls = 2
+                self._send(self.intra, r, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
             job.warm = self.pending.track(job.md.name, job.keys)
         self.pending.after(job.after, self._main_pull, job)
 
