@@ -8,6 +8,7 @@ Its `user_config` carries the live knobs (routing, handoff).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -75,24 +76,39 @@ async def _api_error(_: Request, err: APIError) -> JSONResponse:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or "-" in part)
+
+
 def _param_path(loc) -> str | None:
-    """`body.stop.list[str].2` -> `stop`: the field path without pydantic's union-branch tags."""
-    parts = []
-    for p in loc:
-        if p == "body" and not parts:
-            continue
-        if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p):
-            break
-        parts.append(str(p))
-    return ".".join(parts) or None
+    """`body.messages.0.content.list[TextContentPart].0.text` -> `messages.0.content.0.text`:
+    the field path without pydantic's union-branch tags."""
+    parts = [str(p) for p in loc if not _is_union_tag(p)]
+    return ".".join(parts[1:] if parts[:1] in (["body"], ["query"], ["path"]) else parts) or None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The first error, or where a union's branches all failed on it, the branch that matched the
+    input's type and got furthest: `content: [{"type": "text"}]` fails as a string and as a list
+    of parts without `text`; the second says what is wrong."""
+    if not errors:
+        return {}
+    first = errors[0]
+    stem = list(itertools.takewhile(lambda p: not _is_union_tag(p), first.get("loc", ())))
+    siblings = [e for e in errors if list(e.get("loc", ()))[:len(stem)] == stem]
+    return max(siblings, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
 
 
 @api.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-    first = err.errors()[0] if err.errors() else {}
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    first = _most_telling(err.errors())
     param = _param_path(first.get("loc", ()))
     msg = first.get("msg", "invalid request")
-    if first.get("type") == "extra_forbidden":
+    content_type = request.headers.get("content-type", "")
+    if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type:
+        # curl -d sends a form's content type: FastAPI then does not parse the JSON at all
+        msg = f"Send the body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'})"
+    elif first.get("type") == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
     elif first.get("type") == "json_invalid":
         msg = "Request body is not valid JSON"

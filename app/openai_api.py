@@ -129,6 +129,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # else the union reports its first branch: "Input should be a valid string"
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise PydanticCustomError("unsupported_value", "only text parts are supported (a text-only model), got a {kind} part",
+                                              {"kind": repr(kind)})
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -182,6 +184,8 @@ def test_unknown_model_is_404(client):
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"seed": 2**70}, "seed"),
         ({"pdd_mode": "teleport"}, "pdd_mode"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
     ],
 )
 def test_bad_parameters_are_400(app, body, param):
@@ -250,6 +254,20 @@ def test_malformed_json_is_400(app):
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b'{"model": "pdd-dev", "messages": ['), 400)
     _assert_error(_post(app, "/v1/chat/completions", None, raw=b"\xff\xfe not utf-8"), 400)
     _assert_error(_post(app, "/v1/completions", None, raw=b"[]"), 400)
+
+
+def test_json_sent_without_its_content_type_is_400_naming_the_header(app):
+    # `curl -d '{...}'` sends application/x-www-form-urlencoded
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    resp = httpx.post(f"{app.base_url}/v1/chat/completions", content=body, timeout=60, headers={
+        "authorization": f"Bearer {KEY}", "content-type": "application/x-www-form-urlencoded"})
+    err = _assert_error(resp, 400)
+    assert "Content-Type: application/json" in err["message"] and "x-www-form-urlencoded" in err["message"], err
+
+
+def test_query_parameters_are_named_as_sent(app):
+    resp = httpx.get(f"{app.base_url}/pdd/requests", params={"limit": "many"}, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+    _assert_error(resp, 400, param="limit")
 
 
 def test_prompt_too_long_is_400_context_length(app):

@@ -1,8 +1,10 @@
 import pytest
 from starlette.requests import Request
 
-from app.ingress import Admission, ApiKeys, _param_path
-from app.openai_api import APIError
+from pydantic import ValidationError
+
+from app.ingress import Admission, ApiKeys, _most_telling, _param_path
+from app.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 
 
 def _request(auth: str | None) -> Request:
@@ -53,9 +55,36 @@ def test_admission_bounds_per_key_and_total():
         (("body", "temperature"), "temperature"),
         (("body", "stop", "list[str]"), "stop"),
         (("body", "messages", 0, "role"), "messages.0.role"),
-        (("body", "prompt", "function-after[x]", 0), "prompt"),
+        (("body", "prompt", "function-after[x]", 0), "prompt.0"),
+        (("body", "messages", 0, "content", "list[TextContentPart]", 0, "text"), "messages.0.content.0.text"),
         (("body",), None),
+        (("query", "limit"), "limit"),
     ],
 )
 def test_param_path_drops_union_tags(loc, param):
     assert _param_path(loc) == param
+
+
+def _reported(schema: type, body: dict) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as info:
+        schema(model="m", **body)
+    first = _most_telling([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+    return _param_path(first["loc"]), first["msg"]
+
+
+@pytest.mark.parametrize(
+    "schema,body,param,message",
+    [
+        # a union reports the branch the input's type chose, not its first branch's type error
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "Field required"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+         "messages.0.content", "only text parts are supported (a text-only model), got a 'image_url' part"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")},
+         "stop", "List should have at most 4 items after validation, not 5"),
+        (CompletionRequest, {"prompt": [11, "x"]}, "prompt.1", "Input should be a valid integer, unable to parse string as an integer"),
+        # no branch fits: the first one speaks
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "Input should be a valid string"),
+    ],
+)
+def test_the_error_reported_is_the_one_that_says_what_is_wrong(schema, body, param, message):
+    assert _reported(schema, body) == (param, message)
