@@ -13,8 +13,9 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
-from app.conductor import Conductor, EngineError, GenerationRequest, Output, RequestTimeout
+from app.conductor import Conductor, EngineError, GenerationRequest, RequestTimeout
 from app.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
@@ -37,6 +38,7 @@ from app.openai_api import (
     ChatCompletion,
     ChatCompletionRequest,
     ChatRenderer,
+    Choice,
     Completion,
     CompletionRenderer,
     CompletionRequest,
@@ -146,9 +148,59 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
     return _error_response(APIError(err.status_code, str(err.detail), type=kind))
 
+T = TypeVar("T")
+
 
 def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
+
+
+async def _all(coros: list[Awaitable[T]]) -> list[T]:
+    """Every result in order; the first failure cancels the others and is raised as itself."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) from every stream as each item comes; the first failure stops the others
+    and is raised as itself."""
+    if len(streams) == 1:  # the common case, without a task per item
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item, end = await queue.get()
+            if end is _DONE:
+                running -= 1
+            elif end is not None:
+                raise end
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+_DONE = object()
 
 
 class ApiKeys:
@@ -198,6 +250,47 @@ class Admission:
     def in_flight(self) -> int:
         return self._total
 
+    def seats(self, key: str, count: int) -> "Seats":
+        """`count` places for one request's choices, all or none (429)."""
+        taken = 0
+        try:
+            for _ in range(count):
+                self.enter(key)
+                taken += 1
+        except APIError:
+            for _ in range(taken):
+                self.leave(key)
+            raise
+        return Seats(self, key, count)
+
+
+class Seats:
+    """One request's places in Admission, given back once whichever path ends it first:
+    the stream's end, or the response ending without ever starting the stream."""
+
+    def __init__(self, admission: Admission, key: str, count: int):
+        self._admission, self._key, self._count = admission, key, count
+
+    def release(self) -> None:
+        for _ in range(self._count):
+            self._admission.leave(self._key)
+        self._count = 0
+
+
+class _SeatedStream(StreamingResponse):
+    """A stream that gives its request's seats back however it ends: Starlette may be
+    cancelled (client gone) before it first iterates the body, whose `finally` then never runs."""
+
+    def __init__(self, content, seats: Seats, **kwargs):
+        super().__init__(content, **kwargs)
+        self._seats = seats
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._seats.release()
+
 
 @serve.deployment(name="Conductor", max_ongoing_requests=1024)
 @serve.ingress(api)
@@ -238,43 +331,65 @@ class ConductorIngress:
             raise APIError(400, "pdd_mode: per-request modes are disabled (server.allow_mode_override)", param="pdd_mode")
         return requested
 
-    def _generation_request(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None, prefix: str) -> GenerationRequest:
+    def _generation_requests(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
+                             max_tokens: int | None, prefix: str) -> tuple[str, list[GenerationRequest]]:
+        """The response's id and one engine request per choice: prompt i's choice j is choice i*n+j,
+        with the request's seed + j (as vLLM seeds its parallel samples)."""
+        n = body.n or 1
+        server = self.config.server
+        limit, bound = min((server.max_choices_per_request, "server.max_choices_per_request"),
+                           (server.max_concurrent_per_key, "server.max_concurrent_per_key"),
+                           (server.max_queued_requests, "server.max_queued_requests"))
+        if n * len(prompts) > limit:
+            param = "n" if n > 1 else "prompt"
+            raise APIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for {n * len(prompts)} choices; "
+                           f"at most {limit} ({bound})", param=param)
+        request_id = new_request_id(prefix)
+        many = n * len(prompts) > 1
+        gens = []
+        for i, ids in enumerate(prompts):
+            max_new = self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None)
+            for j in range(n):
+                sampling = SamplingOptions(
+                    max_tokens=max_new,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    seed=None if body.seed is None else body.seed + j,
+                    ignore_eos=bool(body.ignore_eos),
+                )
+                gens.append(GenerationRequest(
+                    request_id=f"{request_id}-{i * n + j}" if many else request_id,
+                    prompt_token_ids=ids,
+                    sampling=sampling,
+                    stop=body.stop_list(),
+                    mode=self._mode(body.pdd_mode),
+                ))
+        return request_id, gens
+
+    def _max_new_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None,
+                        which: str | None) -> int:
+        """max_tokens for one prompt, or the 400 that says why it does not fit (`which` names a batch's prompt)."""
         limit = self.config.max_prompt_tokens
+        field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        prompt = f"{which} has" if which else "the prompt has"
         if len(prompt_ids) > limit:
-            raise APIError(
-                400,
-                f"This model's maximum prompt length is {limit} tokens; the prompt has {len(prompt_ids)}",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
+            raise APIError(400, f"This model's maximum prompt length is {limit} tokens; {prompt} {len(prompt_ids)}",
+                           param=which or field, code="context_length_exceeded")
         room = self.config.model.max_model_len - len(prompt_ids)
         server = self.config.server
         if max_tokens is None:
-            max_tokens = min(server.default_max_tokens, room, server.max_output_tokens)
-        elif max_tokens > server.max_output_tokens:
+            return min(server.default_max_tokens, room, server.max_output_tokens)
+        if max_tokens > server.max_output_tokens:
             raise APIError(400, f"max_tokens: at most {server.max_output_tokens}", param="max_tokens")
-        elif max_tokens > room:
+        if max_tokens > room:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.config.model.max_model_len} tokens; "
-                f"the prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}",
+                f"{prompt} {len(prompt_ids)} and max_tokens asks for {max_tokens}",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        sampling = SamplingOptions(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-            ignore_eos=bool(body.ignore_eos),
-        )
-        return GenerationRequest(
-            request_id=new_request_id(prefix),
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            stop=body.stop_list(),
-            mode=self._mode(body.pdd_mode),
-        )
+        return max_tokens
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -286,64 +401,75 @@ class ConductorIngress:
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], list):
-            p = p[0]
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            return list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompts = body.prompts()
+        if isinstance(prompts[0], str):
+            return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=True)["input_ids"]]
         vocab = len(self.tokenizer)
-        bad = next((t for t in p if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        return list(p)
+        for i, ids in enumerate(prompts):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                where = f"prompt.{i}" if isinstance(body.prompt[0], list) else "prompt"
+                raise APIError(400, f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=where)
+        return [list(ids) for ids in prompts]
 
     # ---- running -------------------------------------------------------------
 
-    async def _admitted(self, key: str, outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
-        try:
-            async for out in outputs:
-                yield out
-        finally:
-            self.admission.leave(key)
-
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+    @staticmethod
+    def _usage(body: ChatCompletionRequest | CompletionRequest, gens: list[GenerationRequest], completion_tokens: int) -> Usage:
+        # a prompt counts once however many choices it has (as OpenAI and vLLM count it)
+        prompt_tokens = sum(len(g.prompt_token_ids) for g in gens[:: body.n or 1])
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
-    async def _respond(self, key: str, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest, render: ChatRenderer | CompletionRenderer):
-        self.admission.enter(key)
-        outputs = self._admitted(key, self.conductor.generate(gen))
+    async def _respond(self, key: str, body: ChatCompletionRequest | CompletionRequest, request_id: str,
+                       gens: list[GenerationRequest], render: ChatRenderer | CompletionRenderer):
+        seats = self.admission.seats(key, len(gens))
         want_ids = bool(body.return_token_ids)
         if body.stream:
             want_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(gen, outputs, render, want_usage, want_ids)
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-request-id": gen.request_id})
+            stream = self._stream(body, request_id, gens, seats, render, want_usage, want_ids)
+            return _SeatedStream(stream, seats, media_type="text/event-stream", headers={"x-request-id": request_id})
+        try:
+            choices = await _all([self._whole(gen) for gen in gens])
+        finally:
+            seats.release()
+        usage = self._usage(body, gens, sum(tokens for _, tokens in choices))
+        return render.whole([choice._replace(token_ids=choice.token_ids if want_ids else None) for choice, _ in choices], usage)
+
+    async def _whole(self, gen: GenerationRequest) -> tuple[Choice, int]:
+        """One choice's answer and its completion tokens."""
         parts: list[str] = []
         ids: list[int] = []
-        async for out in outputs:
+        async for out in self.conductor.generate(gen):
             parts.append(out.text)
             ids += out.token_ids
             last = out
-        usage = self._usage(len(gen.prompt_token_ids), last.completion_tokens)
-        return render.whole("".join(parts), last.finish_reason, ids if want_ids else None, usage)
+        return Choice("".join(parts), last.finish_reason, ids), last.completion_tokens
 
-    async def _stream(self, gen: GenerationRequest, outputs: AsyncIterator[Output], render, want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, body: ChatCompletionRequest | CompletionRequest, request_id: str, gens: list[GenerationRequest], seats: Seats, render,
+                      want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
+        """Every choice's chunks as they come, each with its index; usage once all have finished."""
+        completion_tokens = 0
         try:
-            opening = render.opening()
-            if opening is not None:
-                yield _sse(opening)
-            async for out in outputs:
-                if out.text or out.finish_reason or (want_ids and out.token_ids):
-                    yield _sse(render.delta(out.text, out.finish_reason, out.token_ids if want_ids else None))
-                if out.finish_reason and want_usage:
-                    yield _sse(render.usage(self._usage(len(gen.prompt_token_ids), out.completion_tokens)))
+            for index in range(len(gens)):
+                opening = render.opening(index)
+                if opening is not None:
+                    yield _sse(opening)
+            async with aclosing(_merged([self.conductor.generate(gen) for gen in gens])) as outputs:
+                async for index, out in outputs:
+                    if out.text or out.finish_reason or (want_ids and out.token_ids):
+                        yield _sse(render.delta(index, out.text, out.finish_reason, out.token_ids if want_ids else None))
+                    if out.finish_reason:
+                        completion_tokens += out.completion_tokens
+            if want_usage:
+                yield _sse(render.usage(self._usage(body, gens, completion_tokens)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            logger.exception("request %s failed mid-stream", gen.request_id)
+            logger.exception("request %s failed mid-stream", request_id)
             yield _sse(json.dumps(APIError(500, f"generation failed: {exc}", type="server_error").body()))
+        finally:
+            seats.release()
         yield b"data: [DONE]\n\n"
 
     @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
@@ -364,15 +490,15 @@ class ConductorIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         key = self.keys.check(request)
         self._check_model(body.model)
-        gen = self._generation_request(body, self._chat_prompt(body), body.requested_max_tokens(), "chatcmpl")
-        return await self._respond(key, body, gen, ChatRenderer(gen.request_id, body.model))
+        request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl")
+        return await self._respond(key, body, request_id, gens, ChatRenderer(request_id, body.model))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(self, body: CompletionRequest, request: Request):
         key = self.keys.check(request)
         self._check_model(body.model)
-        gen = self._generation_request(body, self._completion_prompt(body), body.max_tokens, "cmpl")
-        return await self._respond(key, body, gen, CompletionRenderer(gen.request_id, body.model))
+        request_id, gens = self._generation_requests(body, self._completion_prompts(body), body.max_tokens, "cmpl")
+        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model))
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
     async def recent_journeys(self, request: Request, limit: Annotated[int, Query(ge=1, le=JOURNAL_CAPACITY)] = 100) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -89,7 +89,6 @@ def _unsupported(why: str, *neutral: Any) -> Any:
 _TEXT_ONLY = "this server returns plain text"
 
 
-_ONE_CHOICE = _only(int, 1, "one choice per request")
 _PENALTY = _only(float, 0, "a handoff splits the output tokens a penalty counts between two engines")
 
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
@@ -99,7 +98,7 @@ class _SamplingFields(_Request):
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: _ONE_CHOICE | None = None
+    n: Annotated[int, Field(ge=1, description="Choices per prompt; each is one engine request (seeds: seed + choice)")] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
@@ -185,23 +184,20 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
         | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]
-    )
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="One prompt (text or token ids) or a batch of them; choice i*n+j is prompt i's choice j")
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: _unsupported("no log probabilities are returned") = None
-    best_of: _unsupported("one choice per request", 1) = None
+    best_of: _unsupported("choices are not ranked: no log probabilities", 1) = None
     echo: _unsupported("the prompt is not repeated", False) = None
     suffix: _unsupported("no insertion", "") = None
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        # else the union reports its first branch: "Input should be a valid string"
-        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
-            raise ValueError(f"one prompt per request, got a batch of {len(prompt)}")
-        return prompt
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch, a single prompt as a batch of one."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
 
 
 class Usage(BaseModel):
@@ -285,24 +281,33 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class Choice(NamedTuple):
+    """One choice's whole answer."""
+
+    text: str
+    finish_reason: str | None
+    token_ids: list[int] | None
+
+
 class ChatRenderer:
     """Chat completion bodies and stream chunks for one request."""
 
     def __init__(self, request_id: str, model: str):
         self.id, self.model, self.created = request_id, model, now()
 
-    def opening(self) -> str:
-        return self._chunk(ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+    def opening(self, index: int) -> str:
+        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
 
-    def delta(self, text: str, finish: str | None, token_ids: list[int] | None) -> str:
-        return self._chunk(ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish, token_ids=token_ids))
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> str:
+        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish, token_ids=token_ids))
 
     def usage(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump_json()
 
-    def whole(self, text: str, finish: str | None, token_ids: list[int] | None, usage: Usage) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish, token_ids=token_ids)
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+    def whole(self, choices: list[Choice], usage: Usage) -> ChatCompletion:
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason, token_ids=c.token_ids)
+            for i, c in enumerate(choices)])
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump_json()
@@ -314,17 +319,18 @@ class CompletionRenderer:
     def __init__(self, request_id: str, model: str):
         self.id, self.model, self.created = request_id, model, now()
 
-    def opening(self) -> None:
+    def opening(self, index: int) -> None:
         return None
 
-    def delta(self, text: str, finish: str | None, token_ids: list[int] | None) -> str:
-        return self._body([CompletionChoice(text=text, finish_reason=finish, token_ids=token_ids)]).model_dump_json()
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> str:
+        return self._body([CompletionChoice(index=index, text=text, finish_reason=finish, token_ids=token_ids)]).model_dump_json()
 
     def usage(self, usage: Usage) -> str:
         return self._body([], usage).model_dump_json()
 
-    def whole(self, text: str, finish: str | None, token_ids: list[int] | None, usage: Usage) -> Completion:
-        return self._body([CompletionChoice(text=text, finish_reason=finish, token_ids=token_ids)], usage)
+    def whole(self, choices: list[Choice], usage: Usage) -> Completion:
+        return self._body([CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids)
+                           for i, c in enumerate(choices)], usage)
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

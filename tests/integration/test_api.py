@@ -173,7 +173,8 @@ def test_unknown_model_is_404(client):
     [
         ({"temperature": 5}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),  # more choices than the key may have in flight
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "lots"}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -194,8 +195,7 @@ def test_bad_parameters_are_400(app, body, param):
 
 
 def test_values_served_only_as_default_are_refused_with_the_reason(app):
-    for field, value, reason in (("n", 2, "only 1 is supported (one choice per request), got 2"),
-                                 ("presence_penalty", 0.5, "only 0 is supported (a handoff splits"),
+    for field, value, reason in (("presence_penalty", 0.5, "only 0 is supported (a handoff splits"),
                                  ("frequency_penalty", -1, "only 0 is supported")):
         full = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
         err = _assert_error(_post(app, "/v1/chat/completions", full), 400, param=field, code="unsupported_value")
@@ -224,7 +224,7 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
         ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
         ("/v1/completions", "logprobs", 1, "not supported (no log probabilities are returned); leave it out or send null"),
         ("/v1/completions", "echo", True, "not supported (the prompt is not repeated)"),
-        ("/v1/completions", "best_of", True, "not supported (one choice per request); leave it out or send null or 1"),
+        ("/v1/completions", "best_of", True, "not supported (choices are not ranked: no log probabilities); leave it out or send null or 1"),
     ):
         body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
         err = _assert_error(_post(app, path, body), 400, param=field, code="unsupported_parameter")
@@ -242,12 +242,58 @@ def test_langchain_openai_clients_are_served(app):
     assert OpenAI(**kw).invoke("Summarize the log file.")
 
 
-def test_a_batch_of_prompts_is_refused_by_name(app):
-    for prompt in (["a", "b"], [[11, 12], [13]]):
-        err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": prompt}), 400, param="prompt")
-        assert err["message"] == "prompt: one prompt per request, got a batch of 2"
-    ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": ["a"], "max_tokens": 2})
-    assert ok.status_code == 200, ok.text
+def test_n_choices_answer_as_single_requests_with_seed_plus_choice(client):
+    single = chat(client, "list every error with its time")
+    greedy = chat(client, "list every error with its time", n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.message.content for c in greedy.choices] == [single.choices[0].message.content] * 3
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    assert greedy.usage.completion_tokens == 3 * 24
+    sampled = chat(client, "seeded", temperature=1.0, seed=7, n=2, max_tokens=30)
+    alone = [chat(client, "seeded", temperature=1.0, seed=7 + j, max_tokens=30).choices[0].message.content for j in range(2)]
+    assert [c.message.content for c in sampled.choices] == alone and alone[0] != alone[1]
+
+
+def test_streamed_choices_interleave_each_with_its_index(client):
+    whole = chat(client, "list every error with its time").choices[0].message.content
+    chunks = list(chat(client, "list every error with its time", n=2, stream=True, stream_options={"include_usage": True}))
+    texts, finals, roles = {0: "", 1: ""}, {}, set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles |= {choice.index} if choice.delta.role == "assistant" else set()
+            if choice.finish_reason:
+                finals[choice.index] = choice.finish_reason
+    assert texts == {0: whole, 1: whole} and finals == {0: "length", 1: "length"} and roles == {0, 1}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48
+
+
+def test_a_batch_of_prompts_gets_n_choices_per_prompt_each_with_its_journey(app, client):
+    prompts = ["the quick brown fox", "list the errors"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    journeys = [httpx.get(f"{app.base_url}/pdd/requests/{batch.id}-{i}", headers={"authorization": f"Bearer {KEY}"}, timeout=60) for i in range(4)]
+    assert [j.status_code for j in journeys] == [200] * 4
+    streamed = client.completions.create(model=MODEL, prompt=[[465, 480], [11, 12, 13]], max_tokens=4, temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text for p in ([465, 480], [11, 12, 13])]
+    assert texts == {0: singles[0], 1: singles[1]}
+
+
+def test_a_batch_names_the_prompt_that_does_not_fit(app):
+    err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": [[11], [10**7]]}), 400, param="prompt.1")
+    assert "outside the vocabulary" in err["message"]
+    err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": ["hi", "x " * 3000], "max_tokens": 2}), 400,
+                        param="prompt.1", code="context_length_exceeded")
+    assert "prompt.1 has" in err["message"]
+    err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 33, "n": 2}), 400, param="n")
+    assert err["message"] == "n: 33 prompt(s) x n=2 asks for 66 choices; at most 64 (server.max_concurrent_per_key)"
 
 
 def test_malformed_json_is_400(app):
@@ -319,6 +365,8 @@ def test_generated_requests_never_get_a_server_error(app):
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
             if isinstance(case.body, dict):
+                if isinstance(case.body.get("n"), int):
+                    case.body["n"] = min(case.body["n"], 2)  # few engine requests; bad values stay bad
                 for field in ("max_tokens", "max_completion_tokens"):
                     if isinstance(case.body.get(field), int):
                         case.body[field] = min(case.body[field], 4)  # short generations; bad values stay bad

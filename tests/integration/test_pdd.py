@@ -126,6 +126,19 @@ def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
     assert handoff["latency_ms"] is not None
 
 
+def test_a_batchs_choices_relay_side_by_side_and_give_the_colocated_tokens(app):
+    prompts = [fresh(1200), fresh(1200)]
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    texts = {i: "" for i in range(4)}
+    for chunk in client.completions.create(model="pdd-dev", prompt=prompts, n=2, max_tokens=300, temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    colocated = [completion(app, p, 300, mode="colocated")[0] for p in prompts]
+    assert list(texts.values()) == [colocated[0], colocated[0], colocated[1], colocated[1]]
+    pipelines = [app.journey(f"{chunk.id}-{i}")["pipeline"] for i in range(4)]
+    assert "P-RLD-MD" in pipelines, pipelines
+
+
 def test_high_hit_turn_goes_straight_to_md(app):
     """The next turn repeats the conversation, answer included: MD holds all of it
     (it decoded the answer, or caught up on the relay's answer by recompute)."""
