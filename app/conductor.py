@@ -436,7 +436,7 @@ class Conductor:
                 note_failover(journey, (role, replica), target, len(so_far), exc)
                 role, replica = target
                 journey.replicas[role.value] = replica.replica_id
-                request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, replace(req.sampling, max_tokens=req.sampling.max_tokens - len(so_far)))
+                request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, req.sampling.continued(len(so_far)))
 
     async def _failover_target(self, failed: RoleName) -> tuple[RoleName, ReplicaInfo] | None:
         for role in FAILOVER_ORDER[failed]:
@@ -541,7 +541,7 @@ class Conductor:
         request = EngineRequest(
             f"{req.request_id}-{role.value}",
             req.prompt_token_ids + first.token_ids,
-            replace(req.sampling, max_tokens=req.sampling.max_tokens - len(first.token_ids)),
+            req.sampling.continued(len(first.token_ids)),
             kv_transfer_params=await self.pull_params(lease, replica.datacenter, expected_bytes) if lease else None,
             cache_salt=cache_salt,
         )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import PDDConfig, RoleName
+from app import seeded_sampling
 from app.devmodel import resolve_model_source
 from app.kv.params import PULL
 from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer
@@ -227,7 +228,9 @@ class EngineServer:
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
-        extra_args = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        extra_args = seeded_sampling.extra_args(s.seed, s.sampled_before)
+        if request.kv_transfer_params:
+            extra_args["kv_transfer_params"] = request.kv_transfer_params
         params = SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
@@ -237,7 +240,7 @@ class EngineServer:
             ignore_eos=s.ignore_eos,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=extra_args,
+            extra_args=extra_args or None,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt is not None:

@@ -36,6 +36,10 @@ SUSPECT_S = 30.0
 #: died): unbounded, routing would wait for the datacenter to come back.
 DESCRIBE_TIMEOUT_S = 10.0
 
+#: How long reset_prefix_caches waits for busy replicas to free their blocks, and how often it asks.
+RESET_TIMEOUT_S = 120.0
+RESET_RETRY_S = 0.2
+
 
 class EngineClient:
     def __init__(self, handles: dict[RoleName, DeploymentHandle]):
@@ -126,10 +130,19 @@ class EngineClient:
             async for delta in stream:
                 yield delta
 
-    async def reset_prefix_caches(self) -> None:
-        """Empty every replica's prefix cache (benchmarks comparing modes on equal terms)."""
-        calls = []
-        for role, handle in self._handles.items():
-            for info in await self.replicas(role):
-                calls.append(handle.reset_prefix_cache.remote(target_replica=info.replica_id))
-        await asyncio.gather(*calls)
+    async def reset_prefix_caches(self, timeout_s: float = RESET_TIMEOUT_S) -> None:
+        """Empty every replica's prefix cache (benchmarks comparing modes on equal terms).
+
+        vLLM refuses while any block is in use (a request running, a lease not yet
+        pulled); each replica is asked again until it empties, or TimeoutError names
+        those that never did: a silent refusal left warm caches behind."""
+        pending = [(handle, info.replica_id) for role, handle in self._handles.items() for info in await self.replicas(role)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = await asyncio.gather(*(handle.reset_prefix_cache.remote(target_replica=replica) for handle, replica in pending))
+            pending = [call for call, ok in zip(pending, done) if not ok]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"prefix caches of replicas {sorted(r for _, r in pending)} still had blocks in use after {timeout_s:.0f} s")
+            await asyncio.sleep(RESET_RETRY_S)

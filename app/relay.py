@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from msgspec.structs import replace
 
 from app import metrics
 from app.config import HandoffMode, RoleName
@@ -184,7 +183,7 @@ class Relay:
         return EngineRequest(
             f"{self.req.request_id}-{suffix}",
             self.req.prompt_token_ids + tokens,
-            replace(self.req.sampling, max_tokens=max_tokens),
+            self.req.sampling.continued(len(tokens), max_tokens),
             kv_transfer_params=kv,
         )
 
@@ -222,7 +221,7 @@ class Relay:
             relay_request = EngineRequest(
                 f"{req.request_id}-rld",
                 req.prompt_token_ids + self.out,
-                replace(req.sampling, max_tokens=req.sampling.max_tokens - len(self.out)),
+                req.sampling.continued(len(self.out)),
                 kv_transfer_params=await c.pull_params(self.lease, self.relay.datacenter),
             )
         else:
@@ -358,7 +357,7 @@ class Relay:
         return EngineRequest(
             f"{self.req.request_id}-prelay",
             self.req.prompt_token_ids + self.out,
-            replace(self.req.sampling, max_tokens=self.req.sampling.max_tokens - len(self.out)),
+            self.req.sampling.continued(len(self.out)),
         )
 
     def _finish_md_in_background(self, md_task: asyncio.Task | None) -> None:

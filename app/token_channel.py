@@ -36,6 +36,16 @@ class SamplingOptions(msgspec.Struct):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    sampled_before: int = 0
+    """Output tokens other engines sampled before this request's first (its prompt ends
+    with them). A seeded request's generator skips their draws, so a request that
+    moves between engines samples what one engine would have."""
+
+    def continued(self, done: int, max_tokens: int | None = None) -> "SamplingOptions":
+        """For a request whose prompt goes on with `done` more of its output tokens:
+        the rest of max_tokens (or `max_tokens`), the seed's stream `done` draws on."""
+        return msgspec.structs.replace(self, max_tokens=self.max_tokens - done if max_tokens is None else max_tokens,
+                                       sampled_before=self.sampled_before + done)
 
 
 class EngineRequest(msgspec.Struct, tag="gen"):

@@ -3,6 +3,11 @@ its KV connector through `AsyncLLM.collective_rpc` (fault injection, operations)
 
 from __future__ import annotations
 
+from app import seeded_sampling
+
+# vLLM imports this module in the worker process before the worker's first step.
+seeded_sampling.install()
+
 
 class ConnectorControl:
     def pdd_expire_leases(self) -> int:

@@ -139,6 +139,20 @@ def test_a_batchs_choices_relay_side_by_side_and_give_the_colocated_tokens(app):
     assert "P-RLD-MD" in pipelines, pipelines
 
 
+def test_a_seeded_sample_is_the_colocated_one_whichever_pipeline_serves_it(app, knobs):
+    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    prompt, seeded = fresh(LONG), {"temperature": 1.0, "top_p": 0.9, "seed": 11}
+    relayed, journey = completion(app, prompt, 400, **seeded)
+    assert journey["pipeline"] == "P-RLD-MD", journey["decision"]
+    sources = [role for role, _ in journey["token_sources"]]
+    assert sources[0] == "prefill" and sources[-1] == "main_decode", journey["token_sources"]
+    wait_wan_idle(app)
+    again, journey = completion(app, prompt, 400, **seeded)  # MD now holds the prompt
+    assert journey["pipeline"] != "P-RLD-MD", journey["decision"]
+    assert relayed == again == completion(app, prompt, 400, mode="colocated", **seeded)[0]
+    assert relayed != completion(app, prompt, 400, mode="colocated", **{**seeded, "seed": 12})[0]
+
+
 def test_high_hit_turn_goes_straight_to_md(app):
     """The next turn repeats the conversation, answer included: MD holds all of it
     (it decoded the answer, or caught up on the relay's answer by recompute)."""
@@ -224,7 +238,8 @@ def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estim
     assert first.choices[0].text == reference[:at]
     journey = app.journey(first.id)
     assert journey["pipeline"] == "P-RLD-MD" and journey["finish_reason"] == "stop", journey["decision"]
-    assert [role for role, _ in journey["token_sources"]] == ["prefill", "relay_decode", "main_decode"]
+    # RLD's share may be none: on a loaded host MD can hold the KV (~2 s) before RLD's first token
+    assert [role for role, _ in journey["token_sources"]] in (["prefill", "relay_decode", "main_decode"], ["prefill", "main_decode"])
     assert len(first.choices[0].token_ids) >= 100  # without what MD computed, the next turn's estimate would be off by >= 3 blocks
     wait_wan_idle(app)
     turn2 = turn1 + first.choices[0].token_ids + fresh(60)

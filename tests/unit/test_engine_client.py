@@ -119,3 +119,38 @@ def test_a_role_the_request_can_do_without_does_not_wait_for_a_description(route
     t0 = time.monotonic()
     found = asyncio.run(EngineClient({RoleName.main_decode: handle}).replicas(RoleName.main_decode, wait=False))
     assert found == [] and time.monotonic() - t0 < 0.1 and handle.describe.calls == 1
+
+
+class _Reset:
+    """A stand-in for `reset_prefix_cache`: vLLM refuses while blocks are in use,
+    here for a replica's first `busy_calls` calls."""
+
+    def __init__(self, busy_calls: dict[str, int]):
+        self.busy_calls = busy_calls
+        self.calls: list[str] = []
+
+    def remote(self, target_replica: str):
+        self.calls.append(target_replica)
+
+        async def answer() -> bool:
+            return self.calls.count(target_replica) > self.busy_calls.get(target_replica, 0)
+
+        return answer()
+
+
+def test_a_replica_whose_blocks_are_in_use_is_asked_again_until_its_cache_empties(router_state, monkeypatch):
+    monkeypatch.setattr(app.engine_client, "RESET_RETRY_S", 0.01)
+    handle = _Handle(alive=["md-1", "md-2"])
+    handle.reset_prefix_cache = _Reset({"md-2": 3})
+    router_state[MAIN] = frozenset({"md-1", "md-2"})
+    asyncio.run(EngineClient({RoleName.main_decode: handle}).reset_prefix_caches())
+    assert handle.reset_prefix_cache.calls.count("md-1") == 1 and handle.reset_prefix_cache.calls.count("md-2") == 4
+
+
+def test_a_cache_that_never_empties_is_an_error_naming_the_replica(router_state, monkeypatch):
+    monkeypatch.setattr(app.engine_client, "RESET_RETRY_S", 0.01)
+    handle = _Handle(alive=["md-1", "md-2"])
+    handle.reset_prefix_cache = _Reset({"md-2": 10**9})
+    router_state[MAIN] = frozenset({"md-1", "md-2"})
+    with pytest.raises(TimeoutError, match=r"\['md-2'\] still had blocks in use"):
+        asyncio.run(EngineClient({RoleName.main_decode: handle}).reset_prefix_caches(timeout_s=0.1))

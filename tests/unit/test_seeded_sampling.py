@@ -1,0 +1,21 @@
+"""What an engine request tells a seeded generator about the output sampled before it."""
+
+from app.seeded_sampling import SAMPLED_BEFORE, extra_args
+from app.token_channel import SamplingOptions
+
+
+def test_a_continuation_counts_every_engine_before_it():
+    first = SamplingOptions(max_tokens=100, temperature=1.0, seed=7)
+    relay = first.continued(1)  # after P's first token
+    main = relay.continued(24)  # after the relay's 24
+    assert (relay.max_tokens, relay.sampled_before) == (99, 1)
+    assert (main.max_tokens, main.sampled_before) == (75, 25)
+    step = relay.continued(10, max_tokens=1)  # a one-token catch-up step
+    assert (step.max_tokens, step.sampled_before) == (1, 11)
+    assert first.sampled_before == 0 and main.seed == 7
+
+
+def test_only_a_seeded_continuation_asks_the_engine_to_skip():
+    assert extra_args(7, 25) == {SAMPLED_BEFORE: 25}
+    assert extra_args(None, 25) == {}  # unseeded: the engine's shared generator, nothing to line up
+    assert extra_args(7, 0) == {}
