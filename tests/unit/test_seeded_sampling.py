@@ -19,3 +19,27 @@ def test_only_a_seeded_continuation_asks_the_engine_to_skip():
     assert extra_args(7, 25) == {SAMPLED_BEFORE: 25}
     assert extra_args(None, 25) == {}  # unseeded: the engine's shared generator, nothing to line up
     assert extra_args(7, 0) == {}
+
+
+def _draw(generator) -> int:
+    import torch
+
+    return int(torch.randint(0, 2**31, (1,), generator=generator).item())
+
+
+def test_a_cpu_generator_takes_back_its_steps_draw_as_vllm_asks():
+    import torch
+
+    from app.seeded_sampling import RewindableGenerator
+
+    plain = torch.Generator()
+    plain.manual_seed(5)
+    expected = [_draw(plain) for _ in range(2)]
+    seeded = torch.Generator()
+    seeded.manual_seed(5)
+    rewindable = RewindableGenerator(seeded)
+    discarded = _draw(rewindable)  # a partial prefill's sample, discarded
+    rewindable.set_offset(rewindable.get_offset() - 4)  # vLLM's take-back (a plain CPU generator raises)
+    kept = _draw(rewindable)
+    rewindable.step_starts()
+    assert [discarded, kept, _draw(rewindable)] == [expected[0], expected[0], expected[1]]
