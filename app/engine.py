@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.config import PDDConfig, RoleName
 from app import seeded_sampling
+from app.config import PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.kv.params import PULL
 from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer

@@ -13,10 +13,11 @@ import json
 import logging
 import os
 from collections import Counter
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import Annotated, Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -148,6 +149,7 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
     return _error_response(APIError(err.status_code, str(err.detail), type=kind))
 
+
 T = TypeVar("T")
 
 
@@ -232,19 +234,20 @@ class Admission:
         self._by_key: Counter[str] = Counter()
         self._total = 0
 
-    def enter(self, key: str) -> None:
-        if self._total >= self.total:
+    def enter(self, key: str, count: int = 1) -> None:
+        """`count` places for `key`, all or none (429)."""
+        if self._total + count > self.total:
             raise APIError(429, "Server is at capacity; retry later", type="rate_limit_error", code="server_busy")
-        if self._by_key[key] >= self.per_key:
+        if self._by_key[key] + count > self.per_key:
             raise APIError(429, "Too many concurrent requests for this API key", type="rate_limit_error", code="rate_limit_exceeded")
-        self._by_key[key] += 1
-        self._total += 1
+        self._by_key[key] += count
+        self._total += count
 
-    def leave(self, key: str) -> None:
-        self._by_key[key] -= 1
+    def leave(self, key: str, count: int = 1) -> None:
+        self._by_key[key] -= count
         if self._by_key[key] <= 0:
             del self._by_key[key]
-        self._total -= 1
+        self._total -= count
 
     @property
     def in_flight(self) -> int:
@@ -252,15 +255,7 @@ class Admission:
 
     def seats(self, key: str, count: int) -> "Seats":
         """`count` places for one request's choices, all or none (429)."""
-        taken = 0
-        try:
-            for _ in range(count):
-                self.enter(key)
-                taken += 1
-        except APIError:
-            for _ in range(taken):
-                self.leave(key)
-            raise
+        self.enter(key, count)
         return Seats(self, key, count)
 
 
@@ -272,9 +267,9 @@ class Seats:
         self._admission, self._key, self._count = admission, key, count
 
     def release(self) -> None:
-        for _ in range(self._count):
-            self._admission.leave(self._key)
-        self._count = 0
+        if self._count:
+            self._admission.leave(self._key, self._count)
+            self._count = 0
 
 
 class _SeatedStream(StreamingResponse):
@@ -346,23 +341,23 @@ class ConductorIngress:
                            f"at most {limit} ({bound})", param=param)
         request_id = new_request_id(prefix)
         many = n * len(prompts) > 1
+        stop, mode = body.stop_list(), self._mode(body.pdd_mode)
         gens = []
         for i, ids in enumerate(prompts):
-            max_new = self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None)
+            sampling = SamplingOptions(
+                max_tokens=self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None),
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+                ignore_eos=bool(body.ignore_eos),
+            )
             for j in range(n):
-                sampling = SamplingOptions(
-                    max_tokens=max_new,
-                    temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p,
-                    seed=None if body.seed is None else body.seed + j,
-                    ignore_eos=bool(body.ignore_eos),
-                )
                 gens.append(GenerationRequest(
                     request_id=f"{request_id}-{i * n + j}" if many else request_id,
                     prompt_token_ids=ids,
-                    sampling=sampling,
-                    stop=body.stop_list(),
-                    mode=self._mode(body.pdd_mode),
+                    sampling=sampling if body.seed is None else msgspec.structs.replace(sampling, seed=body.seed + j),
+                    stop=stop,
+                    mode=mode,
                 ))
         return request_id, gens
 

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-
 from app import metrics
 from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
