@@ -181,7 +181,7 @@ def run(
 
     stop_on_sigterm()
     config = _load(config_path)
-    os.environ.update(cluster.CLUSTER_ENV)
+    os.environ.update(cluster.serve_env())
     if config.model.source == "devmodel":
         from app.devmodel import ensure_devmodel
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.config import PDDConfig, RoleName
+from app.haproxy import BINARY_PATH_VAR
 
 #: Ray label carrying a node's datacenter (node groups may select on it).
 DATACENTER_LABEL = "pdd.io/datacenter"
@@ -46,8 +47,17 @@ def ray_bin() -> str:
     return str(local) if local.exists() else (shutil.which("ray") or "ray")
 
 
+def serve_env() -> dict[str, str]:
+    """CLUSTER_ENV, and Ray's HAProxy run through `pdd-haproxy` (app/haproxy.py: a client
+    that leaves stops its request) unless RAY_SERVE_HAPROXY_BINARY_PATH already names one."""
+    wrapper = Path(sys.executable).with_name("pdd-haproxy")
+    if BINARY_PATH_VAR in os.environ or not wrapper.exists():
+        return dict(CLUSTER_ENV)
+    return {**CLUSTER_ENV, BINARY_PATH_VAR: str(wrapper)}
+
+
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, **CLUSTER_ENV, **(extra or {})}
+    return {**os.environ, **serve_env(), **(extra or {})}
 
 
 @dataclass

@@ -173,9 +173,9 @@ class LocalApp:
         from ray import serve
 
         from app.builder import build_app
-        from app.cluster import CLUSTER_ENV
+        from app.cluster import serve_env
 
-        os.environ.update({k: v for k, v in CLUSTER_ENV.items() if k != "RAY_AUTH_MODE"})
+        os.environ.update({k: v for k, v in serve_env().items() if k != "RAY_AUTH_MODE"})
         os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
         os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
         ray.init(address="local", num_cpus=8, resources={"dc_a": 100, "dc_b": 100}, logging_level="ERROR", log_to_driver=False, include_dashboard=False)

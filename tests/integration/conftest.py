@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.cluster import CLUSTER_ENV, kill_orphans
+from app.cluster import kill_orphans, serve_env
 from app.prometheus import PrometheusServer, ray_service_discovery_file
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ def serve_instance():
     import ray
     from ray import serve
 
-    os.environ.update({k: v for k, v in CLUSTER_ENV.items() if k != "RAY_AUTH_MODE"})
+    os.environ.update({k: v for k, v in serve_env().items() if k != "RAY_AUTH_MODE"})
     # HAProxy's own listeners default to fixed ports; a dev cluster may hold them.
     os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
     os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
