@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app import seeded_sampling
+from app import carried_sampling
 from app.config import PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.kv.params import PULL
@@ -228,7 +228,7 @@ class EngineServer:
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
-        extra_args = seeded_sampling.extra_args(s.seed, s.sampled_before)
+        extra_args = carried_sampling.extra_args(s)
         if request.kv_transfer_params:
             extra_args["kv_transfer_params"] = request.kv_transfer_params
         params = SamplingParams(
@@ -236,6 +236,8 @@ class EngineServer:
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
             stop_token_ids=s.stop_token_ids or None,
             ignore_eos=s.ignore_eos,
             detokenize=False,

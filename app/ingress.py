@@ -349,6 +349,8 @@ class ConductorIngress:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=body.seed,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
                 ignore_eos=bool(body.ignore_eos),
             )
             for j in range(n):

@@ -55,20 +55,6 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-def _only(kind: type, value: int, why: str) -> Any:
-    """A field served at one value only: any other is refused with the reason (the
-    schema documents the one value, so generated clients send it)."""
-
-    def check(given):
-        if given != value:
-            raise PydanticCustomError("unsupported_value", "only {value} is supported ({why}), got {given}",
-                                      {"value": value, "why": why, "given": given})
-        return given
-
-    return Annotated[kind, AfterValidator(check),
-                     Field(description=f"Only {value} is supported", json_schema_extra={"minimum": value, "maximum": value})]
-
-
 def _unsupported(why: str, *neutral: Any) -> Any:
     """A known OpenAI field this server does not serve: accepted at a value that asks
     for nothing (null, or what SDKs send by default), refused with the reason otherwise."""
@@ -89,7 +75,7 @@ def _unsupported(why: str, *neutral: Any) -> Any:
 _TEXT_ONLY = "this server returns plain text"
 
 
-_PENALTY = _only(float, 0, "a handoff splits the output tokens a penalty counts between two engines")
+_PENALTY = Annotated[float, Field(ge=-2, le=2, description="Counts every output token, whichever engine sampled it")]
 
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
 

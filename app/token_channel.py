@@ -34,12 +34,15 @@ class SamplingOptions(msgspec.Struct):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     sampled_before: int = 0
     """Output tokens other engines sampled before this request's first (its prompt ends
-    with them). A seeded request's generator skips their draws, so a request that
-    moves between engines samples what one engine would have."""
+    with them). A seeded request's generator skips their draws, and penalties count
+    them as output (app/carried_sampling.py), so a request that moves between engines
+    samples what one engine would have."""
 
     def continued(self, done: int, max_tokens: int | None = None) -> "SamplingOptions":
         """For a request whose prompt goes on with `done` more of its output tokens:

@@ -3,10 +3,10 @@ its KV connector through `AsyncLLM.collective_rpc` (fault injection, operations)
 
 from __future__ import annotations
 
-from app import seeded_sampling
+from app import carried_sampling
 
 # vLLM imports this module in the worker process before the worker's first step.
-seeded_sampling.install()
+carried_sampling.install()
 
 
 class ConnectorControl:

@@ -153,6 +153,17 @@ def test_a_seeded_sample_is_the_colocated_one_whichever_pipeline_serves_it(app, 
     assert relayed != completion(app, prompt, 400, mode="colocated", **{**seeded, "seed": 12})[0]
 
 
+def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, knobs):
+    """After each handoff the earlier output is in the next engine's prompt: it still counts as output."""
+    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    prompt, penalties = fresh(LONG), {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+    relayed, journey = completion(app, prompt, 300, **penalties)
+    sources = [role for role, _ in journey["token_sources"]]
+    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert relayed == completion(app, prompt, 300, mode="colocated", **penalties)[0]
+    assert relayed != completion(app, prompt, 300, mode="colocated")[0]
+
+
 def test_high_hit_turn_goes_straight_to_md(app):
     """The next turn repeats the conversation, answer included: MD holds all of it
     (it decoded the answer, or caught up on the relay's answer by recompute)."""

@@ -1,0 +1,155 @@
+"""Sampling that carries on across engines: seeded draws and output-token penalties.
+
+A request that moves to another engine (P to the relay, the relay to MD, a
+failover) arrives there with its earlier output in the prompt. An engine request
+says how many output tokens other engines sampled before it
+(`SamplingOptions.sampled_before`), and the worker treats them as what they are:
+
+- **Seeds.** vLLM gives a seeded request a generator of its own, seeded when the
+  request arrives, and draws from it once per sampled token; a fresh generator
+  would draw the earlier tokens' numbers again, and the answer would depend on
+  the pipeline that served it. The worker skips that many draws of the new
+  generator before the request's first step, by running its own sampler on
+  placeholder logits, so whichever draw the platform's sampler makes (one integer
+  per token on CPU, a row of noise on GPU) is the one skipped.
+- **Presence and frequency penalties** count a request's output tokens, which
+  vLLM takes from the request's own output: after a handoff the earlier ones are
+  in the prompt and would not count. The worker adds them, the prompt's last
+  `sampled_before` tokens, to the output tokens its sampler penalises.
+
+When vLLM discards a step's sample (a partial prefill, as a relay decoder's
+first step after its KV pull can be), it takes the draw back by moving the
+generator's offset back; CPU generators have no offset, and the engine died of
+it. A CPU generator here remembers its state at each step's start and takes a
+draw back by returning to it.
+
+Not covered: speculative decoding (its rejection sampler penalises on its own).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from app.token_channel import SamplingOptions
+
+#: The `SamplingParams.extra_args` key the engine sets from `sampled_before`.
+SAMPLED_BEFORE = "pdd_sampled_before"
+
+
+#: Per row of the batch being sampled: the output tokens sampled before it (None: none).
+_carried_rows: contextvars.ContextVar[list[list[int] | None] | None] = contextvars.ContextVar("carried_rows", default=None)
+
+
+def extra_args(sampling: SamplingOptions) -> dict[str, Any]:
+    """What an engine request adds to vLLM's `extra_args`: nothing unless it continues a
+    request whose sampling depends on the output before it (a seed, a penalty)."""
+    depends = sampling.seed is not None or penalised(sampling)
+    return {SAMPLED_BEFORE: sampling.sampled_before} if depends and sampling.sampled_before > 0 else {}
+
+
+def penalised(params: Any) -> bool:
+    """Whether sampling `params` (ours or vLLM's) penalise output tokens."""
+    return bool(params.presence_penalty or params.frequency_penalty)
+
+
+class RewindableGenerator(torch.Generator):
+    """A CPU generator that can take back the current step's draw, as vLLM does with
+    `set_offset(get_offset() - 4)` on CUDA's counter-based generators."""
+
+    def __new__(cls, like: torch.Generator):
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, like: torch.Generator):
+        super().__init__()
+        self.set_state(like.get_state())
+        self._step_start = like.get_state()
+
+    def step_starts(self) -> None:
+        self._step_start = self.get_state()
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> RewindableGenerator:
+        # only ever asked to go back by this step's draw: the step's starting state
+        self.set_state(self._step_start)
+        return self
+
+
+def skip_draws(runner: Any, generator: torch.Generator, count: int) -> None:
+    """Advance `generator` as `count` sampling steps of `runner` would."""
+    logits = torch.zeros(1, runner.model_config.get_vocab_size(), dtype=torch.float32, device=runner.device)
+    for _ in range(count):
+        runner.sampler.topk_topp_sampler(logits.clone(), {0: generator}, None, None)
+
+
+def _adopt(runner: Any, req_id: str, carried: dict[str, list[int]]) -> None:
+    """A newly added request: a seeded one gets its rewindable generator (CPU) and skips its
+    earlier draws; a penalised continuation's earlier output goes into `carried`."""
+    state = runner.requests.get(req_id)
+    if state is None or state.sampling_params is None:
+        return
+    count = (state.sampling_params.extra_args or {}).get(SAMPLED_BEFORE, 0)
+    if state.generator is not None:
+        if state.generator.device.type == "cpu" and not isinstance(state.generator, RewindableGenerator):
+            state.generator = RewindableGenerator(state.generator)
+            runner.input_batch.generators[runner.input_batch.req_id_to_index[req_id]] = state.generator
+        if count:
+            skip_draws(runner, state.generator, count)
+    if count and penalised(state.sampling_params):
+        carried[req_id] = list(state.prompt_token_ids[-count:])
+
+
+def with_carried(output_token_ids: list[list[int]], rows: list[list[int] | None] | None) -> list[list[int]]:
+    """Each row's output tokens, after those other engines sampled before it."""
+    if rows is None or len(rows) != len(output_token_ids):  # not this batch's rows: never break the step
+        return output_token_ids
+    return [out if before is None else before + list(out) for before, out in zip(rows, output_token_ids)]
+
+
+def install() -> None:
+    """Patch vLLM's model runner and sampler, once per process (engine workers import app.kv.control)."""
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_update, original_sample, original_penalties = GPUModelRunner._update_states, GPUModelRunner._sample, Sampler.apply_penalties
+    if getattr(original_update, "_pdd_carried", False):
+        return
+
+    @functools.wraps(original_update)
+    def update_states(self, scheduler_output):
+        carried = self.__dict__.setdefault("_pdd_carried", {})
+        for req_id in scheduler_output.finished_req_ids:
+            carried.pop(req_id, None)
+        result = original_update(self, scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            _adopt(self, new.req_id, carried)
+        for generator in self.input_batch.generators.values():
+            if isinstance(generator, RewindableGenerator):
+                generator.step_starts()
+        return result
+
+    @functools.wraps(original_sample)
+    def sample(self, *args, **kwargs):
+        carried = self.__dict__.get("_pdd_carried")
+        if not carried:
+            return original_sample(self, *args, **kwargs)
+        token = _carried_rows.set([carried.get(req_id) for req_id in self.input_batch.req_ids])
+        try:
+            return original_sample(self, *args, **kwargs)
+        finally:
+            _carried_rows.reset(token)
+
+    @functools.wraps(original_penalties)
+    def apply_penalties(logits, sampling_metadata, output_token_ids):
+        return original_penalties(logits, sampling_metadata, with_carried(output_token_ids, _carried_rows.get()))
+
+    update_states._pdd_carried = True
+    GPUModelRunner._update_states = update_states
+    GPUModelRunner._sample = sample
+    Sampler.apply_penalties = staticmethod(apply_penalties)

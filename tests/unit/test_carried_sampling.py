@@ -1,0 +1,71 @@
+"""What an engine request tells the worker about the output sampled before it (app/carried_sampling.py)."""
+
+from types import SimpleNamespace
+
+from app.carried_sampling import SAMPLED_BEFORE, _adopt, extra_args, with_carried
+from app.token_channel import SamplingOptions
+
+
+def test_a_continuation_counts_every_engine_before_it():
+    first = SamplingOptions(max_tokens=100, temperature=1.0, seed=7)
+    relay = first.continued(1)  # after P's first token
+    main = relay.continued(24)  # after the relay's 24
+    assert (relay.max_tokens, relay.sampled_before) == (99, 1)
+    assert (main.max_tokens, main.sampled_before) == (75, 25)
+    step = relay.continued(10, max_tokens=1)  # a one-token catch-up step
+    assert (step.max_tokens, step.sampled_before) == (1, 11)
+    assert first.sampled_before == 0 and main.seed == 7
+
+
+def test_only_a_continuation_whose_sampling_depends_on_earlier_output_tells_the_engine():
+    def args(**kw):
+        return extra_args(SamplingOptions(max_tokens=10, **kw))
+
+    assert args(seed=7, sampled_before=25) == {SAMPLED_BEFORE: 25}
+    assert args(frequency_penalty=0.5, sampled_before=25) == {SAMPLED_BEFORE: 25}
+    assert args(presence_penalty=-1.0, sampled_before=3) == {SAMPLED_BEFORE: 3}
+    assert args(sampled_before=25) == {}  # unseeded, unpenalised: nothing to line up
+    assert args(seed=7, frequency_penalty=1.0) == {}  # the request's first engine
+
+
+def test_a_penalised_continuation_counts_the_prompts_tail_as_output():
+    """The prompt ends with the output other engines sampled; a seed alone carries nothing to penalise."""
+    def state(prompt, count, **penalties):
+        params = SimpleNamespace(presence_penalty=0.0, frequency_penalty=0.0, extra_args={SAMPLED_BEFORE: count} if count else None)
+        params.__dict__.update(penalties)
+        return SimpleNamespace(sampling_params=params, generator=None, prompt_token_ids=prompt)
+
+    runner = SimpleNamespace(requests={"a": state([1, 2, 3, 40, 41], 2, frequency_penalty=1.0),
+                                       "b": state([1, 2, 3, 40, 41], 2),
+                                       "c": state([1, 2, 3], 0, presence_penalty=1.0)})
+    carried = {}
+    for req_id in runner.requests:
+        _adopt(runner, req_id, carried)
+    assert carried == {"a": [40, 41]}
+    rows = [None, carried["a"]]
+    assert with_carried([[7], [42, 43]], rows) == [[7], [40, 41, 42, 43]]
+    assert with_carried([[7]], None) == [[7]]
+
+
+def _draw(generator) -> int:
+    import torch
+
+    return int(torch.randint(0, 2**31, (1,), generator=generator).item())
+
+
+def test_a_cpu_generator_takes_back_its_steps_draw_as_vllm_asks():
+    import torch
+
+    from app.carried_sampling import RewindableGenerator
+
+    plain = torch.Generator()
+    plain.manual_seed(5)
+    expected = [_draw(plain) for _ in range(2)]
+    seeded = torch.Generator()
+    seeded.manual_seed(5)
+    rewindable = RewindableGenerator(seeded)
+    discarded = _draw(rewindable)  # a partial prefill's sample, discarded
+    rewindable.set_offset(rewindable.get_offset() - 4)  # vLLM's take-back (a plain CPU generator raises)
+    kept = _draw(rewindable)
+    rewindable.step_starts()
+    assert [discarded, kept, _draw(rewindable)] == [expected[0], expected[0], expected[1]]
