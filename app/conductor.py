@@ -208,6 +208,7 @@ class Conductor:
             journey.decode_ms = None if first_at is None else (last_at - first_at) * 1000
             journey.max_gap_ms = max_gap * 1000
             journey.finish_reason = finish_reason
+            journey.outcome = outcome
             journey.finished_at = time.time()
             metrics.record_journey(journey, self.config.slo, outcome)
         if text or pending_ids:

@@ -74,6 +74,8 @@ class Journey:
     max_gap_ms: float | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
+    outcome: str | None = None
+    """ok, error, or cancelled (the client left); None while in flight."""
     error: str | None = None
     finished_at: float | None = None
     recorded_roles: set[str] = field(default_factory=set, repr=False)

@@ -150,11 +150,11 @@ def test_a_client_that_leaves_stops_its_request(app, client):
         journeys = httpx.get(f"{app.base_url}/pdd/requests", params={"limit": 50}, headers={"authorization": f"Bearer {KEY}"}).json()["requests"]
         # (a request left before it reached the conductor has no journey, and no engine work either)
         abandoned = [j for j in journeys if j["max_tokens"] == ABANDONED_MAX_TOKENS]
-        if abandoned and all(j["finished_at"] for j in abandoned) or time.monotonic() > deadline:
+        if abandoned and all(j["outcome"] for j in abandoned) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert abandoned
-    assert [(j["finish_reason"], j["completion_tokens"] < ABANDONED_MAX_TOKENS) for j in abandoned] == [(None, True)] * len(abandoned)
+    assert [(j["outcome"], j["completion_tokens"] < ABANDONED_MAX_TOKENS) for j in abandoned] == [("cancelled", True)] * len(abandoned)
 
 
 # ---- errors ------------------------------------------------------------------

@@ -64,6 +64,7 @@ def _request(stop: list[str]) -> GenerationRequest:
 async def test_a_stop_string_ends_the_engine_stream_before_the_response_does(conductor):
     text = "".join([out.text async for out in conductor.generate(_request(["end"]))])
     assert text.endswith("and the ") and "end" not in text
+    assert (conductor.journal.get("req-1").finish_reason, conductor.journal.get("req-1").outcome) == ("stop", "ok")
     # no loop turn since the last output: the engine request was aborted on the way, not later by the finalizer
     assert conductor.engines.open == set()
 
@@ -74,7 +75,8 @@ async def test_a_client_leaving_ends_the_engine_stream_before_close_returns(cond
     assert conductor.engines.open == {"req-1"}
     await outputs.aclose()
     assert conductor.engines.open == set()
-    assert conductor.journal.get("req-1").finish_reason is None
+    journey = conductor.journal.get("req-1")
+    assert (journey.finish_reason, journey.outcome) == (None, "cancelled")
 
 
 def test_a_pull_is_judged_on_the_bytes_it_moved_at_the_share_the_model_gave_it(conductor):
