@@ -150,6 +150,11 @@ class DeployedApp:
         resp.raise_for_status()
         return resp.json()
 
+    def state(self) -> dict[str, Any]:
+        resp = httpx.get(f"{self.base_url}/pdd/state", timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
     def delete(self) -> None:
         from ray import serve
 

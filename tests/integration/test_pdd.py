@@ -64,14 +64,16 @@ def fresh(n: int) -> list[int]:
 
 
 def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
-    """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done)."""
+    """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done) and routing's
+    model of the WAN holds no backlog either (a pull that moved less than routing expected
+    leaves the model draining after the link went quiet: the next turn's estimate counts it)."""
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
         now = Faults(app.name).link_counters("dc-a->dc-b")["bytes_down"]
         if now != last:
             last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
+        elif time.monotonic() - since >= quiet_s and app.state()["links"]["dc-a->dc-b"]["backlog_bytes"] == 0:
             return
         time.sleep(0.2)
     raise TimeoutError("the WAN never went quiet")
