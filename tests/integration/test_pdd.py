@@ -70,10 +70,10 @@ def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
-        now = Faults(app.name).link_counters("dc-a->dc-b")["bytes_down"]
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s and app.state()["links"]["dc-a->dc-b"]["backlog_bytes"] == 0:
+        wan = app.state()["links"]["dc-a->dc-b"]  # the link's counters and routing's backlog, in one read
+        if wan["bytes_down"] != last:
+            last, since = wan["bytes_down"], time.monotonic()
+        elif time.monotonic() - since >= quiet_s and wan["backlog_bytes"] == 0:
             return
         time.sleep(0.2)
     raise TimeoutError("the WAN never went quiet")
