@@ -365,21 +365,36 @@ class Conductor:
         return backlog.queued(time.monotonic()) if backlog is not None else 0
 
     async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncIterator[EngineDelta]:
-        """An engine stream whose transfer report lands in the journey; its pull joins the link's backlog."""
+        """An engine stream whose transfer report lands in the journey; its pull joins the
+        link's backlog until the pull's report, or its first token without one (a decoder
+        whose cache held the whole prompt pulls nothing and reports nothing), says what it moved."""
         pull = (request.kv_transfer_params or {}).get(PULL, {})
-        if pull.get("expected_bytes"):
+        expected = int(pull.get("expected_bytes") or 0)
+        place = None
+        if expected:
             now = time.monotonic()
-            self._link_backlog(pull["link"]).add(int(pull["expected_bytes"]), now)
-            self._link_share(pull["link"]).start(request.request_id, int(pull["expected_bytes"]), now, destination=replica.replica_id)
+            place = self._link_backlog(pull["link"]).add(expected, now)
+            self._link_share(pull["link"]).start(request.request_id, expected, now, destination=replica.replica_id)
         async with aclosing(self.engines.stream(replica, request)) as stream:
             async for delta in stream:
                 check(delta, role)
+                moved = 0
                 if delta.transfer is not None:
-                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip, self._model_seconds(pull, request, int(delta.transfer.get("bytes", 0))))
+                    moved = int(delta.transfer.get("bytes", 0))
+                    self.note_transfer(journey, role, delta.transfer, pull.get("host", ""), replica.node_ip, self._model_seconds(pull, request, moved))
+                if place is not None and (delta.transfer is not None or delta.token_ids or delta.finished):
+                    self._settle_pull(pull["link"], request.request_id, place, expected, moved)
+                    place = None
                 journey.note_first_token(role.value, delta, replace=False)
                 if delta.finished:  # no pull (all cached): the engine's own count is the hit
                     journey.hit_tokens.setdefault(role.value, delta.num_cached_tokens or 0)
                 yield delta
+
+    def _settle_pull(self, link: str, pull_id: str, place: float, expected: int, moved: int) -> None:
+        """What a pull did not move of routing's estimate leaves the link's models."""
+        now = time.monotonic()
+        self._link_backlog(link).settle(place, expected, moved, now)
+        self._link_share(link).settle(pull_id, moved, now)
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
         """P computes the prompt's KV and the first token; the KV stays leased for

@@ -90,22 +90,41 @@ class LinkBacklog:
     configured link would have moved it, however late its decoder reports. A
     link slower than configured shows up in the agents' figures instead, and
     they retune the threshold.
+
+    What a pull did not move leaves the queue when its decoder says so (`settle`):
+    routing's estimate counts the blocks its prefix index believes the decoder
+    lacks, and a decoder whose cache held more, or whose pull failed, moves less.
+    Left queued, those bytes would push later requests onto the relay for nothing.
     """
 
     bytes_per_s: float
-    _bytes: float = 0.0
+    _routed: float = 0.0
+    """Bytes ever routed onto the link: a pull's place in the queue is its last byte's."""
+    _gone: float = 0.0
+    """Bytes ever moved by the model, or settled as never crossing."""
     _at: float = 0.0
 
     def queued(self, now: float) -> int:
         """Bytes still queued at `now` (seconds, any monotonic clock)."""
-        if self._bytes:
-            self._bytes = max(0.0, self._bytes - (now - self._at) * self.bytes_per_s)
+        left = self._routed - self._gone
+        if left:
+            self._gone += min(left, (now - self._at) * self.bytes_per_s)
         self._at = now
-        return round(self._bytes)
+        return round(self._routed - self._gone)
 
-    def add(self, nbytes: int, now: float) -> None:
+    def add(self, nbytes: int, now: float) -> float:
+        """Queue a pull of `nbytes`; its place, for `settle`."""
         self.queued(now)
-        self._bytes += nbytes
+        self._routed += nbytes
+        return self._routed
+
+    def settle(self, place: float, nbytes: int, moved: int, now: float) -> None:
+        """The pull queued at `place` with `nbytes` moved `moved`: the rest never crosses.
+        Only what the model has not moved of it yet leaves the queue."""
+        self.queued(now)
+        unmoved = min(float(nbytes), place - self._gone)
+        if unmoved > 0 and moved < nbytes:
+            self._gone += min(unmoved, nbytes - moved)
 
 
 def affinity_room(engine: EngineConfig) -> int:

@@ -92,7 +92,8 @@ class LinkShare:
     four times slower.
 
     A pull stays in the model until the model has moved its bytes, whatever its real
-    end, as in policy.LinkBacklog."""
+    end, as in policy.LinkBacklog; and, as there, no longer than its real bytes once
+    its decoder says what it moved (`settle`)."""
 
     KEEP_FINISHED = 4096
     """Pulls the model finished that were not reported yet (a cancelled pull never is)."""
@@ -134,6 +135,23 @@ class LinkShare:
         if pull in self._bytes:  # still waiting for a slot in the model
             return self._bytes[pull] * (len(self._left) + 1) / self.bytes_per_s
         return None
+
+    def settle(self, pull: str, moved: int, now: float) -> None:
+        """`pull` moved `moved` bytes in all (its report, or its first token without one):
+        the model moves no more of it than that, and expects no report for it."""
+        self._advance(now)
+        self._moving_since.pop(pull, None)
+        self._finished.pop(pull, None)
+        planned = self._bytes.get(pull)
+        if planned is None or moved >= planned:
+            return
+        self._bytes[pull] = float(moved)
+        if pull in self._left:
+            self._left[pull] -= planned - moved
+            if self._left[pull] <= 1e-6:
+                del self._left[pull]
+                del self._bytes[pull]
+                self._admit(self._destination.pop(pull), now)
 
     def _admit(self, destination: str, at: float) -> None:
         waiting = self._waiting.get(destination)

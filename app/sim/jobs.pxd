@@ -12,5 +12,5 @@ cdef class Job:
     cdef public Instance p, d, r, md
     cdef public Lease pl, dl, rl
     cdef public object pulls, seq, sent, rounds, hmode, cap
-    cdef public object capped, relay_tokens, t_relay_last, handed, wan, wan_planned, t_prev, off
+    cdef public object capped, relay_tokens, t_relay_last, handed, wan, wan_planned, wan_place, t_prev, off
     cdef public object after, warm, catch_up, row

@@ -26,7 +26,7 @@ class Job:
     __slots__ = (
         "rid", "req", "sess", "gen", "pipe", "keys", "full", "t_first", "t_last", "gap", "done",
         "p", "pl", "d", "dl", "r", "rl", "md", "pulls", "seq", "sent", "rounds", "hmode", "cap",
-        "capped", "relay_tokens", "t_relay_last", "handed", "wan", "wan_planned", "t_prev", "off",
+        "capped", "relay_tokens", "t_relay_last", "handed", "wan", "wan_planned", "wan_place", "t_prev", "off",
         "after", "warm", "catch_up", "row",
     )
 
@@ -69,6 +69,8 @@ class Job:
         self.wan = 0
         self.wan_planned = 0
         """KV bytes routing expected MD to pull over the WAN (what joins the link's backlog)."""
+        self.wan_place = 0.0
+        """That pull's place in the link's backlog, to settle what it did not move."""
         self.t_prev = -1.0
         """Client time of the token before the decode in progress (for its first gap)."""
         self.off = 0.0

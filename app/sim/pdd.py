@@ -133,7 +133,7 @@ class PDDPipelines:
         self._open_decoder(job, job.md, req.prefix_tokens)
         if job.done:  # the relay finished the request while MD's pull waited
             self.results.set_decode_hit(job.row, job.dl.hit)
-        self.wan_backlog.add(job.wan_planned, self.loop.now)
+        job.wan_place = self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job.md, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
 
     @cython.locals(job=Job)
@@ -192,6 +192,10 @@ class PDDPipelines:
     def _main_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
+        # MD's report: what it moved, beside routing's estimate (Conductor.decode_stream)
+        moved = blocks_missing(req.prompt_tokens, job.dl.hit, self.block) * self.block_bytes
+        if moved < job.wan_planned:
+            self.wan_backlog.settle(job.wan_place, job.wan_planned, moved, self.loop.now)
         if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands
             self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow, pulled=True)
             return

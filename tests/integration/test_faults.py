@@ -16,11 +16,13 @@ import pytest
 
 from app import metrics
 from app.link_directory import LinkDirectory
+from app.config import PDDConfig
 from app.faults import Faults
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, ray_prometheus
 
 APP = "faults"
+BLOCK = PDDConfig.model_validate(local_args()).model.block_size
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +271,62 @@ def test_conductor_restart(app, faults):
                 raise
             time.sleep(2)
     assert journey["completion_tokens"] == 10
+
+
+def restart_conductor_and_wait(app, faults, main_decoders: int = 2, timeout_s: float = 120) -> None:
+    """A new conductor, its index empty, that sees every main decoder and has nothing in flight."""
+    faults.restart_conductor()
+    app.wait_running()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = app.state()
+            if len(state["roles"]["main_decode"]["replicas"]) == main_decoders and state["in_flight"] == 0:
+                return
+        except httpx.HTTPError:
+            pass  # Serve still routes to the replica that was killed
+        if time.monotonic() > deadline:
+            raise TimeoutError("the new conductor never saw every main decoder")
+        time.sleep(1)
+
+
+def wait_decoders_idle(app, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(r["in_flight"] for r in app.state()["roles"]["main_decode"]["replicas"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("a main decoder kept a request in flight")
+        time.sleep(0.2)
+
+
+def test_a_new_conductor_sends_no_turn_behind_kv_a_decoder_already_held(app, faults):
+    """A restarted conductor knows none of the main decoders' caches: a returning conversation's
+    turn is expected to send its whole context over the WAN, and the decoder that still holds
+    it pulls one block. What it did not pull must leave routing's WAN backlog when its decoder
+    says so, or the turns after it wait behind bytes that never cross.
+
+    From the same empty index, on idle replicas, the same turns go to the same main decoders:
+    served once after one restart, then again after another, they find their contexts there."""
+    conversations = [fresh(1000) for _ in range(4)]
+    knobs = {"routing": {**app.args["routing"], "max_wan_transfer_ms": 60_000}, "handoff": app.args["handoff"]}
+    app.set_user_config("Conductor", knobs)  # every turn P-MD: MD's pull is the turn's, and ends with it
+    try:
+        restart_conductor_and_wait(app, faults)
+        first = []
+        for prompt in conversations:
+            assert wait_backlog_drained(app)
+            wait_decoders_idle(app)
+            first.append(completion(app, prompt, 4)[1])
+        assert wait_backlog_drained(app)
+        restart_conductor_and_wait(app, faults)
+        for prompt, before in zip(conversations, first):
+            wait_decoders_idle(app)
+            _, journey = completion(app, prompt, 4)
+            assert journey["replicas"]["main_decode"] == before["replicas"]["main_decode"], "routing from an empty index is not repeatable?"
+            assert journey["hit_tokens"]["main_decode"] >= len(prompt) // BLOCK * BLOCK - BLOCK, journey["hit_tokens"]
+            assert journey["decision"]["blocks_to_send"] == before["decision"]["blocks_to_send"]  # the whole context, again
+            # on an idle link, as the first time: the turn before it left no phantom bytes queued
+            assert journey["decision"]["expected_wan_ms"] <= 1.05 * before["decision"]["expected_wan_ms"], (journey["decision"], before["decision"])
+            (wan,), (whole,) = ([t for t in j["transfers"] if t["link"] == "dc-a->dc-b"] for j in (journey, before))
+            assert wan["bytes"] < whole["bytes"] / 10
+    finally:
+        app.set_user_config("Conductor", {"routing": app.args["routing"], "handoff": app.args["handoff"]})

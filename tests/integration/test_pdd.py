@@ -65,8 +65,8 @@ def fresh(n: int) -> list[int]:
 
 def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
     """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done) and routing's
-    model of the WAN holds no backlog either (a pull that moved less than routing expected
-    leaves the model draining after the link went quiet: the next turn's estimate counts it)."""
+    model of the WAN holds no backlog either (model and link drain on their own clocks: the next
+    turn's estimate counts what the model still holds)."""
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:

@@ -9,7 +9,9 @@ from app.conductor import Conductor, GenerationRequest
 from app.config import Mode, PDDConfig, RoleName
 from app.devmodel import ensure_devmodel
 from app.engine import ReplicaInfo
-from app.token_channel import EngineDelta, SamplingOptions
+from app.journal import Journey
+from app.kv.params import PULL
+from app.token_channel import EngineDelta, EngineRequest, SamplingOptions
 from tests.conftest import local_args
 
 SENTENCE = "the cluster relays the first tokens then the main decoder takes over and the end is near and far away"
@@ -17,10 +19,13 @@ SENTENCE = "the cluster relays the first tokens then the main decoder takes over
 
 class ScriptedEngines:
     """Stands in for app.engine_client.EngineClient: one main decoder whose streams
-    emit SENTENCE's tokens, one per loop turn; it records which streams are open."""
+    emit SENTENCE's tokens, one per loop turn (the first with `transfer`, a pull's
+    report, if set); it records which streams are open, and calls `on_open` as one opens."""
 
     def __init__(self, token_ids: list[int]):
         self.token_ids = token_ids
+        self.transfer: dict | None = None
+        self.on_open = lambda: None
         self.open: set[str] = set()
         self.replica = ReplicaInfo("md-0", "main_decode", "127.0.0.1", "node", "dc-b", 1000, 16, 0, 1024)
 
@@ -35,11 +40,13 @@ class ScriptedEngines:
 
     async def stream(self, replica: ReplicaInfo, request):
         self.open.add(request.request_id)
+        self.on_open()
         try:
             for i, token in enumerate(self.token_ids):
                 await asyncio.sleep(0)
                 last = i == len(self.token_ids) - 1
-                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None)
+                transfer = self.transfer if i == 0 else None
+                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None, transfer=transfer)
         finally:
             self.open.discard(request.request_id)
 
@@ -90,3 +97,35 @@ def test_a_pull_is_judged_on_the_bytes_it_moved_at_the_share_the_model_gave_it(c
     pull = {"link": link, "expected_bytes": 1_000_000}
     assert conductor._model_seconds(pull, request, 2_000_000) == pytest.approx(config.mean_latency_s + 2 * 1_000_000 / bytes_per_s)
     assert conductor._model_seconds({"link": "dc-b->dc-a", "expected_bytes": 10}, request, 10) is None  # no pull routed there
+
+
+async def _pull_stream(conductor, expected_bytes: int) -> tuple[int, int]:
+    """A main decoder's stream whose pull routing expected to move `expected_bytes` over the
+    WAN: the link's modelled backlog before its first token, and after it."""
+    link = "dc-a->dc-b"
+    request = EngineRequest("req-1-md", [11, 12, 13], SamplingOptions(max_tokens=200),
+                            kv_transfer_params={PULL: {"link": link, "expected_bytes": expected_bytes, "host": "10.0.0.1"}})
+    stream = conductor.decode_stream(RoleName.main_decode, conductor.engines.replica, request, Journey("req-1", "pdd", 3, 200))
+    before = []
+    conductor.engines.on_open = lambda: before.append(conductor.backlog(link))
+    await anext(stream)
+    after = conductor.backlog(link)
+    await stream.aclose()
+    return before[0], after
+
+
+async def test_what_a_pull_did_not_move_leaves_the_wan_backlog_at_its_report(conductor):
+    """Routing expected 50 MB; MD's cache held more and it moved 10 MB: 40 MB never cross,
+    and the next request's estimate no longer waits behind them."""
+    conductor.engines.transfer = {"link": "dc-a->dc-b", "blocks": 10, "bytes": 10_000_000, "seconds": 1.0}
+    before, after = await _pull_stream(conductor, 50_000_000)
+    drain = conductor._link_config("dc-a->dc-b").bytes_per_s * 0.5  # at most half a second passes
+    assert before > 50_000_000 - drain
+    assert 10_000_000 - drain < after <= 10_000_000
+
+
+async def test_a_first_token_without_a_report_means_the_pull_moved_nothing(conductor):
+    """A decoder whose cache held the whole prompt pulls nothing and reports nothing."""
+    before, after = await _pull_stream(conductor, 50_000_000)
+    assert before > 40_000_000 and after == 0
+    assert conductor._link_share("dc-a->dc-b").finish("req-1-md", now=1e9) is None  # gone from the share model too

@@ -40,6 +40,22 @@ def test_a_pull_reported_before_the_model_moved_it_is_estimated_and_stays_in_the
     assert share.finish("c", now=5.0) == pytest.approx(1.5)
 
 
+def test_a_pull_that_moved_less_than_planned_gives_its_share_back():
+    share = LinkShare(BW)
+    share.start("a", 1_000_000, now=0.0)
+    share.start("b", 1_000_000, now=0.0)
+    share.settle("a", 0, now=0.0)  # its decoder held the prompt: it never moves
+    assert share.finish("b", now=5.0) == pytest.approx(1.0)  # alone on the link
+    share.start("c", 1_000_000, now=10.0)
+    share.start("d", 1_000_000, now=10.0)
+    share.settle("c", 600_000, now=11.0)  # 500 KB moved, 100 KB to go, shared
+    assert share.finish("d", now=20.0) == pytest.approx(1.2 + 0.4)  # 200 KB shared, then 400 KB alone
+    share.start("e", 1_000_000, now=30.0, destination="md-0")
+    share.start("f", 1_000_000, now=30.0, destination="md-0")
+    share.settle("f", 1_500_000, now=30.0)  # more than planned: the model keeps its plan
+    assert share.finish("e", now=40.0) == pytest.approx(2.0)
+
+
 def test_a_decoders_pulls_beyond_its_slots_wait_and_their_wait_is_not_their_time():
     """As the connector's pull threads: two move at once per decoder, the smallest waiting goes next."""
     share = LinkShare(BW, slots=2, order=PullOrder.smallest_first)

@@ -61,6 +61,31 @@ def test_backlog_drains_at_the_configured_bandwidth():
     assert backlog.queued(12.05) == 50_000
 
 
+def test_what_a_pull_did_not_move_leaves_the_backlog_when_it_settles():
+    backlog = LinkBacklog(bytes_per_s=1e6)
+    first = backlog.add(500_000, 10.0)
+    second = backlog.add(500_000, 10.0)
+    backlog.settle(second, 500_000, 100_000, 10.1)  # its decoder's cache held more than routing thought
+    assert backlog.queued(10.1) == 500_000  # 100 KB of the first moved; 400 KB of it, and the second's 100 KB, left
+    backlog.settle(first, 500_000, 500_000, 10.2)  # moved all it was expected to: nothing changes
+    assert backlog.queued(10.2) == 400_000
+
+
+def test_a_pull_the_model_already_moved_settles_nothing_of_the_pulls_behind_it():
+    backlog = LinkBacklog(bytes_per_s=1e6)
+    first = backlog.add(500_000, 0.0)
+    backlog.add(500_000, 0.0)
+    backlog.settle(first, 500_000, 0, 0.4)  # 100 KB of it left in the model: only those go
+    assert backlog.queued(0.4) == 500_000
+    backlog.settle(first, 500_000, 0, 0.45)  # a second report of the same pull finds none of it left
+    assert backlog.queued(0.45) == 450_000
+    late = LinkBacklog(bytes_per_s=1e6)
+    gone = late.add(500_000, 0.0)
+    late.add(500_000, 0.6)
+    late.settle(gone, 500_000, 0, 0.7)  # reported after the model moved it all
+    assert late.queued(0.7) == 400_000
+
+
 def test_a_backlog_can_move_a_request_onto_the_relay():
     req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms
     assert choose_pipeline(req, cluster(), routing(max_wan_transfer_ms=300)).pipeline is Pipeline.p_md

@@ -447,6 +447,23 @@ def test_a_pull_on_the_wan_delays_the_next_request_as_the_conductor_counts_it():
     assert [r.pipeline for r in behind.records()] == [Pipeline.p_md, Pipeline.p_rld_md]
 
 
+def test_what_a_pull_did_not_move_leaves_the_wan_backlog_when_it_lands(monkeypatch):
+    """Routing expects a's pull to move ten times what MD lacks (as when MD's cache holds more
+    than the index knows): the rest counts as queued until the pull lands, as in the conductor."""
+    real = app.policy.choose_pipeline
+
+    def overestimate_a(req, cluster, routing):
+        d = real(req, cluster, routing)
+        return replace(d, blocks_to_send=d.blocks_to_send * 10) if req.max_tokens == 4 else d
+
+    monkeypatch.setattr(app.sim.pdd, "choose_pipeline", overestimate_a)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 30})  # a's real pull: 28 ms; its estimate: 100 ms
+    pull_starts = prefill_s(1000)
+    for b_after_s, b_pipeline in ((0.010, Pipeline.p_rld_md), (0.050, Pipeline.p_md)):
+        run = simulate(config, [Request(0.0, "a", 1000, 0, 4), Request(pull_starts + b_after_s, "b", 1000, 0, 5)])
+        assert [r.pipeline for r in run.records()] == [Pipeline.p_md, b_pipeline], b_after_s
+
+
 def test_tiny_config_is_valid_in_every_mode():
     for mode in Mode:
         assert tiny_config(mode.value).mode is mode
