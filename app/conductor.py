@@ -30,7 +30,7 @@ from app.policy import LinkBacklog, Pipeline, affinity_room
 from app.prefix_index import PrefixIndex
 from app.relay import pdd_pipeline
 from app.textstream import TextAssembler
-from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions
+from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
 
 if TYPE_CHECKING:
     from app.link_directory import LinkDirectory
@@ -83,6 +83,8 @@ class Output:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     """The tokens since the previous Output (text may lag them: stop strings)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Those tokens' log probabilities, when the request asked for them."""
 
 
 @dataclass
@@ -92,6 +94,8 @@ class Tokens:
     token_ids: list[int]
     role: RoleName
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token, when the request asked for them (from the engine that sampled it)."""
 
 
 def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
@@ -156,6 +160,7 @@ class Conductor:
         finish_reason: str | None = None
         text = ""
         pending_ids: list[int] = []
+        pending_logprobs: list[TokenLogprob] | None = None if req.sampling.logprobs is None else []
         outcome = "cancelled"
         pipeline = self._pipeline(req, journey)
         self._count_in_flight(+1)
@@ -178,6 +183,8 @@ class Conductor:
                     journey.note_tokens(batch.role.value, len(batch.token_ids))
                 delta = assembler.feed(batch.token_ids)
                 pending_ids += batch.token_ids[: delta.num_tokens]
+                if pending_logprobs is not None:
+                    pending_logprobs += (batch.logprobs or [])[: delta.num_tokens]
                 journey.completion_tokens = assembler.num_tokens
                 if delta.stopped:
                     finish_reason = "stop"
@@ -188,8 +195,9 @@ class Conductor:
                     text = delta.text + assembler.finish()
                     break
                 if delta.text:
-                    yield Output(delta.text, assembler.num_tokens, token_ids=pending_ids)
+                    yield Output(delta.text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs)
                     pending_ids = []
+                    pending_logprobs = None if pending_logprobs is None else []
             outcome = "ok"
         except asyncio.CancelledError:
             raise
@@ -212,7 +220,7 @@ class Conductor:
             journey.finished_at = time.time()
             metrics.record_journey(journey, self.config.slo, outcome)
         if text or pending_ids:
-            yield Output(text, assembler.num_tokens, token_ids=pending_ids)
+            yield Output(text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs)
         yield Output("", assembler.num_tokens, finish_reason="length" if finish_reason == "length" else "stop")
 
     async def reset_prefix_caches(self) -> None:
@@ -505,7 +513,7 @@ class Conductor:
                 if delta.finished and served_by is role:
                     journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
                     self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
-                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
+                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs)
 
     async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
         """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
@@ -520,10 +528,10 @@ class Conductor:
         lease = (first.kv_transfer_params or {}).get(LEASE)
         if first.finish_reason != "length" or req.sampling.max_tokens == 1:
             await self.release(lease)
-            yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason)
+            yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs)
             return
         if first_token_from_prefill:
-            yield Tokens(first.token_ids, RoleName.prefill)
+            yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs)
         replica, _ = await self.route(decode_role, keys, journey)
         naive = not first_token_from_prefill
         if naive:  # salted: the decoder's cache will not hold this prompt
@@ -562,6 +570,7 @@ class Conductor:
             cache_salt=cache_salt,
         )
         held = list(first.token_ids) if hold_first else []
+        held_logprobs = list(first.logprobs or []) if hold_first else []
         output = list(first.token_ids)
         served_by: RoleName | None = None
         finished = False
@@ -573,9 +582,10 @@ class Conductor:
                     if finished and cache_salt is None and served_by is role:  # salted blocks serve no later request
                         self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
                     tokens = held + delta.token_ids
-                    held = []
+                    logprobs = held_logprobs + delta.logprobs if delta.logprobs is not None else None
+                    held, held_logprobs = [], []
                     if tokens or delta.finished:
-                        yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None)
+                        yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None, logprobs)
         except GeneratorExit:
             # the client's stream ended first (a stop string): the decoder's cache keeps what it computed
             if not finished and cache_salt is None and served_by is role:

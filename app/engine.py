@@ -21,7 +21,7 @@ from app import carried_sampling
 from app.config import PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.kv.params import PULL
-from app.token_channel import EngineDelta, EngineRequest, TokenStreamServer
+from app.token_channel import EngineDelta, EngineRequest, TokenLogprob, TokenStreamServer
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,8 @@ class EngineServer:
             seed=s.seed,
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
+            logit_bias=s.logit_bias,
+            logprobs=s.logprobs,
             stop_token_ids=s.stop_token_ids or None,
             ignore_eos=s.ignore_eos,
             detokenize=False,
@@ -267,6 +269,7 @@ class EngineServer:
                 num_cached_tokens=out.num_cached_tokens,
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 transfer=transfer,
+                logprobs=None if s.logprobs is None else token_logprobs(completion.token_ids, completion.logprobs, s.logprobs),
                 engine_ttft_ms=engine_ttft_ms,
                 engine_core_ttft_ms=core_ttft_ms,
                 engine_queued_ms=queued_ms,
@@ -314,6 +317,16 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def token_logprobs(token_ids: list[int], positions, top: int) -> list[TokenLogprob]:
+    """vLLM's logprobs of new tokens (per position: token id -> Logprob with its rank) as
+    each token's own log probability and the `top` most likely tokens, best first."""
+    out = []
+    for token, position in zip(token_ids, positions or ()):
+        ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top)
+        out.append(TokenLogprob(position[token].logprob, [(tid, logprob) for _, tid, logprob in ranked]))
+    return out
 
 
 def _engine_core_times(stats: Any) -> tuple[float | None, float | None]:

@@ -299,6 +299,9 @@ class ConductorIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(self.config.model.source))
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError("model.source: pdd-serve needs a model with a fast (tokenizers) tokenizer")
+        self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
+        self._anchor_text = self.tokenizer.decode([self._anchor])
+        self._token_texts: dict[int, str] = {}
         handles = {RoleName(role): h for role, h in engines.items()}
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer, replica_id)
@@ -341,7 +344,7 @@ class ConductorIngress:
                            f"at most {limit} ({bound})", param=param)
         request_id = new_request_id(prefix)
         many = n * len(prompts) > 1
-        stop, mode = body.stop_list(), self._mode(body.pdd_mode)
+        stop, mode, logit_bias, logprobs = body.stop_list(), self._mode(body.pdd_mode), self._logit_bias(body), body.requested_logprobs()
         gens = []
         for i, ids in enumerate(prompts):
             sampling = SamplingOptions(
@@ -352,6 +355,8 @@ class ConductorIngress:
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 ignore_eos=bool(body.ignore_eos),
+                logit_bias=logit_bias,
+                logprobs=logprobs,
             )
             for j in range(n):
                 gens.append(GenerationRequest(
@@ -362,6 +367,22 @@ class ConductorIngress:
                     mode=mode,
                 ))
         return request_id, gens
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text as it reads after another word: decoded alone, a SentencePiece
+        tokenizer drops a word's leading space."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text):]
+        return text
+
+    def _logit_bias(self, body: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        vocab = len(self.tokenizer)
+        bad = next((t for t in bias if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
+        return bias or None
 
     def _max_new_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None,
                         which: str | None) -> int:
@@ -431,17 +452,20 @@ class ConductorIngress:
         finally:
             seats.release()
         usage = self._usage(body, gens, sum(tokens for _, tokens in choices))
-        return render.whole([choice._replace(token_ids=choice.token_ids if want_ids else None) for choice, _ in choices], usage)
+        return render.whole([choice for choice, _ in choices], usage, want_ids)
 
     async def _whole(self, gen: GenerationRequest) -> tuple[Choice, int]:
         """One choice's answer and its completion tokens."""
         parts: list[str] = []
         ids: list[int] = []
+        logprobs = None if gen.sampling.logprobs is None else []
         async for out in self.conductor.generate(gen):
             parts.append(out.text)
             ids += out.token_ids
+            if logprobs is not None:
+                logprobs += out.logprobs or []
             last = out
-        return Choice("".join(parts), last.finish_reason, ids), last.completion_tokens
+        return Choice("".join(parts), last.finish_reason, ids, logprobs), last.completion_tokens
 
     async def _stream(self, body: ChatCompletionRequest | CompletionRequest, request_id: str, gens: list[GenerationRequest], seats: Seats, render,
                       want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
@@ -454,8 +478,8 @@ class ConductorIngress:
                     yield _sse(opening)
             async with aclosing(_merged([self.conductor.generate(gen) for gen in gens])) as outputs:
                 async for index, out in outputs:
-                    if out.text or out.finish_reason or (want_ids and out.token_ids):
-                        yield _sse(render.delta(index, out.text, out.finish_reason, out.token_ids if want_ids else None))
+                    if out.text or out.finish_reason or (out.token_ids and (want_ids or out.logprobs)):
+                        yield _sse(render.delta(index, out.text, out.finish_reason, out.token_ids, out.logprobs, want_ids))
                     if out.finish_reason:
                         completion_tokens += out.completion_tokens
             if want_usage:
@@ -488,14 +512,14 @@ class ConductorIngress:
         key = self.keys.check(request)
         self._check_model(body.model)
         request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl")
-        return await self._respond(key, body, request_id, gens, ChatRenderer(request_id, body.model))
+        return await self._respond(key, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(self, body: CompletionRequest, request: Request):
         key = self.keys.check(request)
         self._check_model(body.model)
         request_id, gens = self._generation_requests(body, self._completion_prompts(body), body.max_tokens, "cmpl")
-        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model))
+        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text))
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
     async def recent_journeys(self, request: Request, limit: Annotated[int, Query(ge=1, le=JOURNAL_CAPACITY)] = 100) -> dict[str, Any]:

@@ -3,22 +3,25 @@
 Requests are validated here, so a bad field becomes a 400 naming it, in
 OpenAI's error shape, before anything reaches an engine. Unknown fields are
 rejected, as OpenAI does ("Unrecognized request argument supplied"). Known
-OpenAI fields this server does not serve (tools, logprobs, ...) are accepted at
+OpenAI fields this server does not serve (tools, echo, ...) are accepted at
 the value that asks for nothing, which SDKs send by default, and refused with
 OpenAI's `unsupported_parameter` / `unsupported_value` codes otherwise.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from app.config import Mode
+from app.token_channel import TokenLogprob
 
 
 class APIError(Exception):
@@ -77,6 +80,13 @@ _TEXT_ONLY = "this server returns plain text"
 
 _PENALTY = Annotated[float, Field(ge=-2, le=2, description="Counts every output token, whichever engine sampled it")]
 
+LogitBias = Annotated[
+    # keys as JSON has them (strings), so the published schema says which are valid
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+    Field(max_length=300, json_schema_extra={"additionalProperties": False},
+          description="Token id -> a bias (-100..100) added to its logit on every engine the request crosses; up to 300 tokens, as OpenAI"),
+]
+
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
 
 
@@ -95,7 +105,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
     return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
-    logit_bias: _unsupported("token biases are not applied", {}) = None
+    logit_bias: LogitBias | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -138,8 +148,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: _unsupported("no log probabilities are returned", False) = None
-    top_logprobs: _unsupported("no log probabilities are returned", 0) = None
+    logprobs: bool | None = Field(default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases)")
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, description="With logprobs: the most likely tokens at each place")
     tools: _unsupported(_TEXT_ONLY, []) = None
     tool_choice: _unsupported(_TEXT_ONLY, "none") = None
     parallel_tool_calls: _unsupported(_TEXT_ONLY, True, False) = None
@@ -166,6 +176,12 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per output token, or None for no log probabilities."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: (
@@ -175,10 +191,16 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="One prompt (text or token ids) or a batch of them; choice i*n+j is prompt i's choice j")
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: _unsupported("no log probabilities are returned") = None
-    best_of: _unsupported("choices are not ranked: no log probabilities", 1) = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
+        default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases) "
+                                  "and this many most likely tokens at its place")
+    best_of: _unsupported("choices are not ranked", 1) = None
     echo: _unsupported("the prompt is not repeated", False) = None
     suffix: _unsupported("no insertion", "") = None
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per output token, or None for no log probabilities."""
+        return self.logprobs
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch, a single prompt as a batch of one."""
@@ -206,6 +228,31 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    """The token's text as UTF-8 (a token may hold part of a character)."""
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    """Per token: itself and the requested number of most likely tokens, by their text."""
+    text_offset: list[int]
+    """Where each token's text starts in the choice's text."""
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -215,7 +262,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -237,7 +284,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -254,7 +301,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -273,27 +320,47 @@ class Choice(NamedTuple):
     text: str
     finish_reason: str | None
     token_ids: list[int] | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+TokenText = Callable[[int], str]
+"""A token id's text (the tokenizer's decoding of that token alone)."""
 
 
 class ChatRenderer:
     """Chat completion bodies and stream chunks for one request."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, token_text: TokenText):
         self.id, self.model, self.created = request_id, model, now()
+        self.token_text = token_text
 
     def opening(self, index: int) -> str:
         return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
 
-    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> str:
-        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish, token_ids=token_ids))
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+              want_ids: bool) -> str:
+        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish,
+                                           logprobs=self._logprobs(token_ids, logprobs), token_ids=token_ids if want_ids else None))
 
     def usage(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump_json()
 
-    def whole(self, choices: list[Choice], usage: Usage) -> ChatCompletion:
+    def whole(self, choices: list[Choice], usage: Usage, want_ids: bool) -> ChatCompletion:
         return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason, token_ids=c.token_ids)
+            ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                       logprobs=self._logprobs(c.token_ids, c.logprobs), token_ids=c.token_ids if want_ids else None)
             for i, c in enumerate(choices)])
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**self._entry(tid, lp.logprob), top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in lp.top])
+            for tid, lp in zip(token_ids, logprobs)])
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump_json()
@@ -302,21 +369,38 @@ class ChatRenderer:
 class CompletionRenderer:
     """Text completion bodies and stream chunks for one request."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, token_text: TokenText):
         self.id, self.model, self.created = request_id, model, now()
+        self.token_text = token_text
+        self._offsets: dict[int, int] = {}
+        """Choice index -> where its next token's text starts (streams)."""
 
     def opening(self, index: int) -> None:
         return None
 
-    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> str:
-        return self._body([CompletionChoice(index=index, text=text, finish_reason=finish, token_ids=token_ids)]).model_dump_json()
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+              want_ids: bool) -> str:
+        rendered = self._logprobs(token_ids, logprobs, self._offsets.get(index, 0))
+        if rendered is not None and rendered.tokens:
+            self._offsets[index] = rendered.text_offset[-1] + len(rendered.tokens[-1])
+        return self._body([CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered,
+                                            token_ids=token_ids if want_ids else None)]).model_dump_json()
 
     def usage(self, usage: Usage) -> str:
         return self._body([], usage).model_dump_json()
 
-    def whole(self, choices: list[Choice], usage: Usage) -> Completion:
-        return self._body([CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids)
+    def whole(self, choices: list[Choice], usage: Usage, want_ids: bool) -> Completion:
+        return self._body([CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=self._logprobs(c.token_ids, c.logprobs),
+                                            token_ids=c.token_ids if want_ids else None)
                            for i, c in enumerate(choices)], usage)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[: len(tokens)]
+        top = [{self.token_text(tid): lp.logprob, **{self.token_text(t): v for t, v in lp.top}} for tid, lp in zip(token_ids, logprobs)]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top, text_offset=offsets)
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

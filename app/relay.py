@@ -119,9 +119,9 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     if first.finish_reason != "length" or req.sampling.max_tokens == 1:
         for _ in range(consumers):
             await c.release(lease)
-        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason)
+        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs)
         return
-    yield Tokens(first.token_ids, RoleName.prefill)
+    yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs)
 
     wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
     if decision.pipeline is Pipeline.p_md:
@@ -253,16 +253,17 @@ class Relay:
                         relaying = False
                     else:
                         tokens = item.token_ids[: max(0, self.cap - (len(self.out) - 1))]
+                        logprobs = None if item.logprobs is None else item.logprobs[: len(tokens)]
                         self.out += tokens
                         finished = item.finished and len(tokens) == len(item.token_ids)
                         if finished:  # RLD ended the request before the handoff
                             self._finish_md_in_background(md_task)
                             md_task = None
                             self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "relay finished the request"}
-                            yield Tokens(tokens, self.relay_role, item.finish_reason)
+                            yield Tokens(tokens, self.relay_role, item.finish_reason, logprobs)
                             return
                         if tokens:
-                            yield Tokens(tokens, self.relay_role)
+                            yield Tokens(tokens, self.relay_role, logprobs=logprobs)
                         if len(self.out) - 1 >= self.cap:
                             relaying = False
                             self.journey.decision["relay_capped_at"] = self.cap
@@ -333,7 +334,7 @@ class Relay:
                     if finished and served_by is RoleName.main_decode:
                         self.c.remember(self.md, req.prompt_token_ids + output)
                     if delta.token_ids or delta.finished:
-                        yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None)
+                        yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs)
         except GeneratorExit:
             # the client's stream ended first (a stop string): MD's cache keeps what it computed
             if not finished and served_by is RoleName.main_decode:

@@ -38,6 +38,10 @@ class SamplingOptions(msgspec.Struct):
     frequency_penalty: float = 0.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit: per token, so every engine applies the same."""
+    logprobs: int | None = None
+    """Return each output token's log probability and this many most likely alternatives (None: none)."""
     sampled_before: int = 0
     """Output tokens other engines sampled before this request's first (its prompt ends
     with them). A seeded request's generator skips their draws, and penalties count
@@ -66,6 +70,13 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One output token's log probability, and the most likely tokens at its place (best first)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class EngineDelta(msgspec.Struct, tag="delta"):
     """New tokens from one engine step; the last one has `finished` set."""
 
@@ -73,6 +84,8 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids`, when the request asked for them."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache or loaded by the KV connector."""

@@ -8,7 +8,9 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from app.devmodel import ensure_devmodel
 from tests.conftest import local_args
 from tests.integration.conftest import deploy_app
 
@@ -213,6 +215,13 @@ def test_unknown_model_is_404(client):
         ({"pdd_mode": "teleport"}, "pdd_mode"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"seven": 5}}, "logit_bias.seven"),
+        ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+        ({"logit_bias": {"-7": 1}}, "logit_bias"),
+        ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"logit_bias": {str(t): -1 for t in range(301)}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
     ],
@@ -230,6 +239,45 @@ def test_penalties_push_the_answer_off_repeated_tokens(client):
         assert len(set(penalised.split())) > len(set(plain.split()))
 
 
+def test_logit_bias_bans_and_forces_tokens(client):
+    kw = {"model": MODEL, "prompt": "list the errors", "max_tokens": 12, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    plain = client.completions.create(**kw).choices[0].token_ids
+    banned = plain[0]
+    without = client.completions.create(**kw, logit_bias={str(banned): -100}).choices[0].token_ids
+    assert without[0] != banned and banned not in without
+    forced = 400 if banned != 400 else 401  # the dev model's vocabulary has 500 tokens
+    assert client.completions.create(**kw, logit_bias={str(forced): 100}).choices[0].token_ids == [forced] * 12
+
+
+def test_logprobs_come_with_each_token_streamed_or_not(client):
+    kw = {"model": MODEL, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}  # EOS would show as "</s>"
+    messages = [{"role": "user", "content": "Summarize the log file."}]
+    whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **kw).choices[0]
+    content = whole.logprobs.content
+    special = set(AutoTokenizer.from_pretrained(str(ensure_devmodel())).all_special_tokens)
+
+    def text_of(tokens):  # the answer's text skips special tokens
+        return "".join(t for t in tokens if t not in special)
+
+    assert len(content) == 16 and text_of(c.token for c in content) == whole.message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        ranked = [t.logprob for t in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)  # greedy: the best
+    chunks = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, stream=True, **kw)
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert client.chat.completions.create(messages=messages, **kw).choices[0].logprobs is None
+
+    plain = client.completions.create(prompt="list the errors", logprobs=2, **kw).choices[0]
+    assert len(plain.logprobs.tokens) == len(plain.logprobs.token_logprobs) == len(plain.logprobs.top_logprobs) == 16
+    assert plain.logprobs.text_offset == [len("".join(plain.logprobs.tokens[:i])) for i in range(16)]
+    assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(plain.logprobs.top_logprobs, plain.logprobs.token_logprobs))
+    stopped = client.completions.create(prompt="list the errors", logprobs=0, stop=[plain.text[6:9]], **kw).choices[0]
+    assert text_of(stopped.logprobs.tokens).startswith(stopped.text) and len(stopped.logprobs.tokens) < 16
+
+
 def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_by_name(app):
     # what SDKs send by default (langchain's completion LLM sends logprobs: null)
     chat_neutral = {"logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
@@ -242,15 +290,13 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
     ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
     assert ok.status_code == 200, ok.text
     for path, field, value, reason in (
-        ("/v1/chat/completions", "logprobs", True, "not supported (no log probabilities are returned); leave it out or send null or false"),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (this server returns plain text)"),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}, "not supported (this server returns plain text)"),
         ("/v1/chat/completions", "store", True, "not supported (completions are not stored); leave it out or send null or false"),
         ("/v1/chat/completions", "reasoning_effort", "high", "not supported (not a reasoning model); leave it out or send null"),
         ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
-        ("/v1/completions", "logprobs", 1, "not supported (no log probabilities are returned); leave it out or send null"),
         ("/v1/completions", "echo", True, "not supported (the prompt is not repeated)"),
-        ("/v1/completions", "best_of", True, "not supported (choices are not ranked: no log probabilities); leave it out or send null or 1"),
+        ("/v1/completions", "best_of", True, "not supported (choices are not ranked); leave it out or send null or 1"),
     ):
         body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
         err = _assert_error(_post(app, path, body), 400, param=field, code="unsupported_parameter")

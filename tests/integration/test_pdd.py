@@ -166,6 +166,43 @@ def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, kno
     assert relayed != completion(app, prompt, 300, mode="colocated")[0]
 
 
+def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
+    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    prompt = fresh(LONG)
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    plain = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, extra_body={"return_token_ids": True, "pdd_mode": "colocated"})
+    common = [t for t, _ in Counter(plain.choices[0].token_ids).most_common(5)]
+    bias = {str(t): -100 for t in common}
+    app.handle("Conductor").reset_prefix_caches.remote().result()  # colocated ran on an MD: cold caches, as for a new prompt
+    relayed, journey = completion(app, prompt, 200, logit_bias=bias)
+    sources = [role for role, _ in journey["token_sources"]]
+    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert relayed == completion(app, prompt, 200, mode="colocated", logit_bias=bias)[0]
+    assert relayed != plain.choices[0].text
+
+
+def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(app, knobs):
+    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    prompt = fresh(LONG)
+    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+
+    def logprobs(**extra):
+        out = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=3, stream=True,
+                                        extra_body={"ignore_eos": True, **extra})
+        chunks = [c for c in out if c.choices and c.choices[0].logprobs]
+        lps = [c.choices[0].logprobs for c in chunks]
+        return chunks[0].id, [t for c in lps for t in c.tokens], [v for c in lps for v in c.token_logprobs], [top for c in lps for top in c.top_logprobs]
+
+    request_id, tokens, relayed, top = logprobs()
+    journey = app.journey(request_id)
+    sources = [role for role, _ in journey["token_sources"]]
+    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    _, single_tokens, single, single_top = logprobs(pdd_mode="colocated")
+    assert tokens == single_tokens and len(relayed) == 200
+    assert relayed == pytest.approx(single, abs=1e-3)
+    assert [sorted(t) for t in top] == [sorted(t) for t in single_top]
+
+
 def test_high_hit_turn_goes_straight_to_md(app):
     """The next turn repeats the conversation, answer included: MD holds all of it
     (it decoded the answer, or caught up on the relay's answer by recompute)."""
