@@ -3,7 +3,10 @@
 Both servers stay up and the rounds alternate (ours, vLLM, ours, vLLM, ...) so
 machine noise hits both alike; the table shows medians over rounds.
 
-    python bench/serve_overhead.py [--rounds 3] [--json out.json]
+    python bench/serve_overhead.py [--rounds 3] [--logprobs N] [--json out.json]
+
+`--logprobs N` asks both servers for every token's log probability and its N
+most likely alternatives: what rendering them costs each.
 """
 
 from __future__ import annotations
@@ -64,9 +67,13 @@ def main() -> None:
     ap.add_argument("--requests-c16", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=200)
+    ap.add_argument("--logprobs", type=int, default=None, help="ask for log probabilities with this many alternatives (0-5)")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
 
+    if a.logprobs is not None and not 0 <= a.logprobs <= 5:
+        raise SystemExit(f"--logprobs must be 0-5 (OpenAI's limit for completions), got {a.logprobs}")
+    asked = {} if a.logprobs is None else {"logprobs": a.logprobs}
     args = colocated_args(4096)
     vllm_port = free_port()
     results: dict[tuple[str, int], list[LoadResult]] = {}
@@ -82,7 +89,8 @@ def main() -> None:
             for rnd in range(a.rounds):
                 for conc, n in ((1, a.requests_c1), (16, a.requests_c16)):
                     for name, url in servers.items():
-                        r = asyncio.run(run_load(url, MODEL, prompts(n, a.prompt_words), concurrency=conc, max_tokens=a.max_tokens, label=name))
+                        r = asyncio.run(run_load(url, MODEL, prompts(n, a.prompt_words), concurrency=conc, max_tokens=a.max_tokens, label=name,
+                                                 extra_body=asked))
                         failed = len(r.records) - len(r.ok)
                         console.print(f"round {rnd + 1}/{a.rounds} {name:9s} c={conc:<2d} {r.output_tokens_per_s:7.0f} tok/s  TTFT p50 {r.ttft_ms(50):6.1f} ms" + (f"  [red]{failed} failed[/red]" if failed else ""))
                         results.setdefault((name, conc), []).append(r)
@@ -108,10 +116,12 @@ def main() -> None:
         "ttft_p50_delta_ms_c1": by[("pdd-serve", 1)]["ttft_p50_ms"] - by[("vllm", 1)]["ttft_p50_ms"],
         "ttft_p50_delta_ms_c16": by[("pdd-serve", 16)]["ttft_p50_ms"] - by[("vllm", 16)]["ttft_p50_ms"],
         "rounds": a.rounds,
+        "logprobs": a.logprobs,
         "rows": rows,
     }
 
-    table = Table(title=f"serve overhead: medians of {a.rounds} alternating rounds, {a.max_tokens} output tokens/request")
+    asking = "" if a.logprobs is None else f", logprobs with {a.logprobs} alternatives"
+    table = Table(title=f"serve overhead: medians of {a.rounds} alternating rounds, {a.max_tokens} output tokens/request{asking}")
     for col in ("concurrency", "server", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "failed"):
         table.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
@@ -136,7 +146,7 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
-    csv_path = write_outputs("serve_overhead", rows, summary, a.json_path, plot)
+    csv_path = write_outputs("serve_overhead" if a.logprobs is None else "serve_overhead_logprobs", rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
 
 
