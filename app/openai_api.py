@@ -324,7 +324,7 @@ class Choice(NamedTuple):
 
 
 TokenText = Callable[[int], str]
-"""A token id's text (the tokenizer's decoding of that token alone)."""
+"""A token id's text, as it reads after another word (ConductorIngress._token_text)."""
 
 
 class ChatRenderer:
@@ -399,7 +399,7 @@ class CompletionRenderer:
             return None
         tokens = [self.token_text(t) for t in token_ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[: len(tokens)]
-        top = [{self.token_text(tid): lp.logprob, **{self.token_text(t): v for t, v in lp.top}} for tid, lp in zip(token_ids, logprobs)]
+        top = [{token: lp.logprob, **{self.token_text(t): v for t, v in lp.top}} for token, lp in zip(tokens, logprobs)]
         return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top, text_offset=offsets)
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
