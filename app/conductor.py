@@ -85,6 +85,8 @@ class Output:
     """The tokens since the previous Output (text may lag them: stop strings)."""
     logprobs: list[TokenLogprob] | None = None
     """Those tokens' log probabilities, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On the first Output, when the request asked for them: the prompt's tokens' after the first."""
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Tokens:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One per token, when the request asked for them (from the engine that sampled it)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """From the engine that computed the prompt, with the first token, when the request asked for them."""
 
 
 def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
@@ -161,6 +165,7 @@ class Conductor:
         text = ""
         pending_ids: list[int] = []
         pending_logprobs: list[TokenLogprob] | None = None if req.sampling.logprobs is None else []
+        prompt_logprobs: list[TokenLogprob] | None = None
         outcome = "cancelled"
         pipeline = self._pipeline(req, journey)
         self._count_in_flight(+1)
@@ -176,6 +181,7 @@ class Conductor:
                 if batch.token_ids:
                     now = time.monotonic()
                     if first_at is None:
+                        prompt_logprobs = self._prompt_logprobs(req, batch)
                         first_at = now
                     else:
                         max_gap = max(max_gap, now - last_at)
@@ -195,8 +201,8 @@ class Conductor:
                     text = delta.text + assembler.finish()
                     break
                 if delta.text:
-                    yield Output(delta.text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs)
-                    pending_ids = []
+                    yield Output(delta.text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs, prompt_logprobs=prompt_logprobs)
+                    pending_ids, prompt_logprobs = [], None
                     pending_logprobs = None if pending_logprobs is None else []
             outcome = "ok"
         except asyncio.CancelledError:
@@ -219,9 +225,17 @@ class Conductor:
             journey.outcome = outcome
             journey.finished_at = time.time()
             metrics.record_journey(journey, self.config.slo, outcome)
-        if text or pending_ids:
-            yield Output(text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs)
+        if text or pending_ids or prompt_logprobs:
+            yield Output(text, assembler.num_tokens, token_ids=pending_ids, logprobs=pending_logprobs, prompt_logprobs=prompt_logprobs)
         yield Output("", assembler.num_tokens, finish_reason="length" if finish_reason == "length" else "stop")
+
+    @staticmethod
+    def _prompt_logprobs(req: GenerationRequest, first: Tokens) -> list[TokenLogprob] | None:
+        """The prompt's log probabilities, which come with the first token, or an EngineError
+        if the engine that computed the prompt did not send them asked."""
+        if req.sampling.prompt_logprobs is not None and first.prompt_logprobs is None:
+            raise EngineError(f"the {first.role.value} engine sent no prompt log probabilities")
+        return first.prompt_logprobs
 
     async def reset_prefix_caches(self) -> None:
         """Cold caches everywhere (benchmarks compare modes from the same start)."""
@@ -460,7 +474,9 @@ class Conductor:
                 note_failover(journey, (role, replica), target, len(so_far), exc)
                 role, replica = target
                 journey.replicas[role.value] = replica.replica_id
-                request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, req.sampling.continued(len(so_far)))
+                # nothing sent yet: the same request again, prompt log probabilities and all
+                sampling = req.sampling.continued(len(so_far)) if so_far else req.sampling
+                request = EngineRequest(f"{req.request_id}-f{attempt}", req.prompt_token_ids + so_far, sampling)
 
     async def _failover_target(self, failed: RoleName) -> tuple[RoleName, ReplicaInfo] | None:
         for role in FAILOVER_ORDER[failed]:
@@ -513,7 +529,7 @@ class Conductor:
                 if delta.finished and served_by is role:
                     journey.hit_tokens[role.value] = delta.num_cached_tokens or 0
                     self.remember(replica, req.prompt_token_ids + output, delta.num_cached_tokens or 0, keys)
-                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs)
+                yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs, delta.prompt_logprobs)
 
     async def _pd(self, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool) -> AsyncIterator[Tokens]:
         """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
@@ -528,10 +544,10 @@ class Conductor:
         lease = (first.kv_transfer_params or {}).get(LEASE)
         if first.finish_reason != "length" or req.sampling.max_tokens == 1:
             await self.release(lease)
-            yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs)
+            yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs, first.prompt_logprobs)
             return
         if first_token_from_prefill:
-            yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs)
+            yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
         replica, _ = await self.route(decode_role, keys, journey)
         naive = not first_token_from_prefill
         if naive:  # salted: the decoder's cache will not hold this prompt
@@ -571,6 +587,7 @@ class Conductor:
         )
         held = list(first.token_ids) if hold_first else []
         held_logprobs = list(first.logprobs or []) if hold_first else []
+        held_prompt_logprobs = first.prompt_logprobs if hold_first else None
         output = list(first.token_ids)
         served_by: RoleName | None = None
         finished = False
@@ -583,9 +600,9 @@ class Conductor:
                         self.remember(replica, req.prompt_token_ids + output, journey.hit_tokens.get(role.value), keys)
                     tokens = held + delta.token_ids
                     logprobs = held_logprobs + delta.logprobs if delta.logprobs is not None else None
-                    held, held_logprobs = [], []
                     if tokens or delta.finished:
-                        yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None, logprobs)
+                        yield Tokens(tokens, served_by, delta.finish_reason if delta.finished else None, logprobs, held_prompt_logprobs)
+                    held, held_logprobs, held_prompt_logprobs = [], [], None
         except GeneratorExit:
             # the client's stream ended first (a stop string): the decoder's cache keeps what it computed
             if not finished and cache_salt is None and served_by is role:

@@ -240,6 +240,7 @@ class EngineServer:
             frequency_penalty=s.frequency_penalty,
             logit_bias=s.logit_bias,
             logprobs=s.logprobs,
+            prompt_logprobs=s.prompt_logprobs,
             stop_token_ids=s.stop_token_ids or None,
             ignore_eos=s.ignore_eos,
             detokenize=False,
@@ -270,6 +271,7 @@ class EngineServer:
                 kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 transfer=transfer,
                 logprobs=None if s.logprobs is None else token_logprobs(completion.token_ids, completion.logprobs, s.logprobs),
+                prompt_logprobs=prompt_token_logprobs(request.prompt_token_ids, out.prompt_logprobs, s.prompt_logprobs),
                 engine_ttft_ms=engine_ttft_ms,
                 engine_core_ttft_ms=core_ttft_ms,
                 engine_queued_ms=queued_ms,
@@ -327,6 +329,14 @@ def token_logprobs(token_ids: list[int], positions, top: int) -> list[TokenLogpr
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top)
         out.append(TokenLogprob(position[token].logprob, [(tid, logprob) for _, tid, logprob in ranked]))
     return out
+
+
+def prompt_token_logprobs(prompt_token_ids: list[int], positions, top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's prompt logprobs (its first position None: nothing before it) as
+    `token_logprobs` of the prompt's tokens after the first; None until vLLM gives them."""
+    if top is None or not positions:
+        return None
+    return token_logprobs(prompt_token_ids[1:], list(positions)[1:], top)
 
 
 def _engine_core_times(stats: Any) -> tuple[float | None, float | None]:

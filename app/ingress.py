@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
-from app.conductor import Conductor, EngineError, GenerationRequest, RequestTimeout
+from app.conductor import Conductor, EngineError, GenerationRequest, Output, RequestTimeout
 from app.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
@@ -43,6 +43,7 @@ from app.openai_api import (
     Completion,
     CompletionRenderer,
     CompletionRequest,
+    Echo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -205,6 +206,16 @@ async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
 _DONE = object()
 
 
+async def _prompt_only(outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    """An echoed prompt that is not continued (max_tokens 0): the prompt's log probabilities
+    and a `length` finish, without the engines' one token."""
+    async with aclosing(outputs) as stream:
+        async for out in stream:
+            if out.prompt_logprobs is not None:
+                yield Output("", 0, prompt_logprobs=out.prompt_logprobs)
+    yield Output("", 0, finish_reason="length")
+
+
 class ApiKeys:
     """Bearer keys from the config plus PDD_API_KEYS (comma-separated); none: open."""
 
@@ -330,9 +341,11 @@ class ConductorIngress:
         return requested
 
     def _generation_requests(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
-                             max_tokens: int | None, prefix: str) -> tuple[str, list[GenerationRequest]]:
+                             max_tokens: int | None, prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[GenerationRequest]]:
         """The response's id and one engine request per choice: prompt i's choice j is choice i*n+j,
-        with the request's seed + j (as vLLM seeds its parallel samples)."""
+        with the request's seed + j (as vLLM seeds its parallel samples). max_tokens 0 (a
+        prompt echoed, not continued) asks the engines for one token, which is dropped: they
+        generate at least one."""
         n = body.n or 1
         server = self.config.server
         limit, bound = min((server.max_choices_per_request, "server.max_choices_per_request"),
@@ -348,7 +361,7 @@ class ConductorIngress:
         gens = []
         for i, ids in enumerate(prompts):
             sampling = SamplingOptions(
-                max_tokens=self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None),
+                max_tokens=max(1, self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None)),
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=body.seed,
@@ -357,6 +370,7 @@ class ConductorIngress:
                 ignore_eos=bool(body.ignore_eos),
                 logit_bias=logit_bias,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             for j in range(n):
                 gens.append(GenerationRequest(
@@ -440,44 +454,56 @@ class ConductorIngress:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
     async def _respond(self, key: str, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-                       gens: list[GenerationRequest], render: ChatRenderer | CompletionRenderer):
+                       gens: list[GenerationRequest], render: ChatRenderer | CompletionRenderer, echoes: list[Echo] | None = None):
+        """`echoes`: per choice, the prompt a completion repeats before its text."""
         seats = self.admission.seats(key, len(gens))
         want_ids = bool(body.return_token_ids)
+        echoes = echoes or [None] * len(gens)
         if body.stream:
             want_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(body, request_id, gens, seats, render, want_usage, want_ids)
+            stream = self._stream(body, request_id, gens, echoes, seats, render, want_usage, want_ids)
             return _SeatedStream(stream, seats, media_type="text/event-stream", headers={"x-request-id": request_id})
         try:
-            choices = await _all([self._whole(gen) for gen in gens])
+            choices = await _all([self._whole(gen, echo) for gen, echo in zip(gens, echoes)])
         finally:
             seats.release()
         usage = self._usage(body, gens, sum(tokens for _, tokens in choices))
         return render.whole([choice for choice, _ in choices], usage, want_ids)
 
-    async def _whole(self, gen: GenerationRequest) -> tuple[Choice, int]:
+    def _outputs(self, gen: GenerationRequest, echo: Echo | None) -> AsyncIterator[Output]:
+        outputs = self.conductor.generate(gen)
+        return outputs if echo is None or echo.generates else _prompt_only(outputs)
+
+    async def _whole(self, gen: GenerationRequest, echo: Echo | None) -> tuple[Choice, int]:
         """One choice's answer and its completion tokens."""
         parts: list[str] = []
         ids: list[int] = []
         logprobs = None if gen.sampling.logprobs is None else []
-        async for out in self.conductor.generate(gen):
+        prompt_logprobs = None
+        async for out in self._outputs(gen, echo):
             parts.append(out.text)
             ids += out.token_ids
             if logprobs is not None:
                 logprobs += out.logprobs or []
+            prompt_logprobs = prompt_logprobs or out.prompt_logprobs
             last = out
-        return Choice("".join(parts), last.finish_reason, ids, logprobs), last.completion_tokens
+        return Choice("".join(parts), last.finish_reason, ids, logprobs, echo, prompt_logprobs), last.completion_tokens
 
-    async def _stream(self, body: ChatCompletionRequest | CompletionRequest, request_id: str, gens: list[GenerationRequest], seats: Seats, render,
-                      want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, body: ChatCompletionRequest | CompletionRequest, request_id: str, gens: list[GenerationRequest],
+                      echoes: list[Echo | None], seats: Seats, render, want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
         """Every choice's chunks as they come, each with its index; usage once all have finished."""
         completion_tokens = 0
+        echoing = {index for index, echo in enumerate(echoes) if echo is not None}
         try:
             for index in range(len(gens)):
                 opening = render.opening(index)
                 if opening is not None:
                     yield _sse(opening)
-            async with aclosing(_merged([self.conductor.generate(gen) for gen in gens])) as outputs:
+            async with aclosing(_merged([self._outputs(gen, echo) for gen, echo in zip(gens, echoes)])) as outputs:
                 async for index, out in outputs:
+                    if index in echoing:  # the prompt before the choice's first text
+                        echoing.discard(index)
+                        yield _sse(render.echo(index, echoes[index], out.prompt_logprobs))
                     if out.text or out.finish_reason or (out.token_ids and (want_ids or out.logprobs)):
                         yield _sse(render.delta(index, out.text, out.finish_reason, out.token_ids, out.logprobs, want_ids))
                     if out.finish_reason:
@@ -518,8 +544,13 @@ class ConductorIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         key = self.keys.check(request)
         self._check_model(body.model)
-        request_id, gens = self._generation_requests(body, self._completion_prompts(body), body.max_tokens, "cmpl")
-        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text))
+        prompts = self._completion_prompts(body)
+        request_id, gens = self._generation_requests(body, prompts, body.requested_max_tokens(), "cmpl", body.requested_prompt_logprobs())
+        echoes = None
+        if body.echo:
+            texts = body.prompts() if isinstance(body.prompts()[0], str) else self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+            echoes = [Echo(text, ids, body.max_tokens != 0) for text, ids in zip(texts, prompts) for _ in range(body.n or 1)]
+        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text), echoes)
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
     async def recent_journeys(self, request: Request, limit: Annotated[int, Query(ge=1, le=JOURNAL_CAPACITY)] = 100) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Requests are validated here, so a bad field becomes a 400 naming it, in
 OpenAI's error shape, before anything reaches an engine. Unknown fields are
 rejected, as OpenAI does ("Unrecognized request argument supplied"). Known
-OpenAI fields this server does not serve (tools, echo, ...) are accepted at
+OpenAI fields this server does not serve (tools, best_of, ...) are accepted at
 the value that asks for nothing, which SDKs send by default, and refused with
 OpenAI's `unsupported_parameter` / `unsupported_value` codes otherwise.
 """
@@ -190,17 +190,29 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="One prompt (text or token ids) or a batch of them; choice i*n+j is prompt i's choice j")
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        default=16, description="Tokens to generate; 0 only with echo: the prompt is repeated (and scored, with logprobs), nothing generated")
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
         default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases) "
                                   "and this many most likely tokens at its place")
+    echo: bool | None = Field(
+        default=None, description="Repeat the prompt before the completion; with logprobs, its tokens' log probabilities too "
+                                  "(the first token's are null: nothing comes before it)")
     best_of: _unsupported("choices are not ranked", 1) = None
-    echo: _unsupported("the prompt is not repeated", False) = None
     suffix: _unsupported("no insertion", "") = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is for scoring a prompt with echo: true", param="max_tokens")
+        return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         """Alternatives per output token, or None for no log probabilities."""
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token (echo with logprobs), or None."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch, a single prompt as a batch of one."""
@@ -246,11 +258,13 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """null only for an echoed prompt's first token (nothing comes before it)."""
+    top_logprobs: list[dict[str, float] | None]
     """Per token: itself and the requested number of most likely tokens, by their text."""
     text_offset: list[int]
-    """Where each token's text starts in the choice's text."""
+    """Where each token's text starts in the choice's text (an echoed prompt's: the running
+    length of its tokens' texts, which may differ from the prompt as sent)."""
 
 
 class AssistantMessage(BaseModel):
@@ -314,6 +328,16 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class Echo(NamedTuple):
+    """A completion's prompt, repeated before its text."""
+
+    text: str
+    """As sent; a prompt of token ids, decoded."""
+    token_ids: list[int]
+    generates: bool
+    """False for max_tokens 0: the prompt alone (the engine's one token is dropped)."""
+
+
 class Choice(NamedTuple):
     """One choice's whole answer."""
 
@@ -321,6 +345,9 @@ class Choice(NamedTuple):
     finish_reason: str | None
     token_ids: list[int] | None
     logprobs: list[TokenLogprob] | None = None
+    echo: Echo | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With `echo` and logprobs: the prompt's tokens' after the first."""
 
 
 TokenText = Callable[[int], str]
@@ -378,6 +405,12 @@ class CompletionRenderer:
     def opening(self, index: int) -> None:
         return None
 
+    def echo(self, index: int, echo: Echo, prompt_logprobs: list[TokenLogprob] | None) -> str:
+        """A stream's first chunk of an echoing choice: the prompt (and its log probabilities)."""
+        self._offsets[index] = len(echo.text)
+        return self._body([CompletionChoice(index=index, text=echo.text, finish_reason=None,
+                                            logprobs=self._prompt_logprobs(echo, prompt_logprobs))]).model_dump_json()
+
     def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None,
               want_ids: bool) -> str:
         rendered = self._logprobs(token_ids, logprobs, self._offsets.get(index, 0))
@@ -390,9 +423,24 @@ class CompletionRenderer:
         return self._body([], usage).model_dump_json()
 
     def whole(self, choices: list[Choice], usage: Usage, want_ids: bool) -> Completion:
-        return self._body([CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=self._logprobs(c.token_ids, c.logprobs),
-                                            token_ids=c.token_ids if want_ids else None)
+        return self._body([CompletionChoice(index=i, text=(c.echo.text if c.echo else "") + c.text, finish_reason=c.finish_reason,
+                                            logprobs=self._whole_logprobs(c), token_ids=c.token_ids if want_ids else None)
                            for i, c in enumerate(choices)], usage)
+
+    def _whole_logprobs(self, choice: Choice) -> CompletionLogprobs | None:
+        output = self._logprobs(choice.token_ids, choice.logprobs, len(choice.echo.text) if choice.echo else 0)
+        if choice.echo is None or output is None:
+            return output
+        prompt = self._prompt_logprobs(choice.echo, choice.prompt_logprobs)
+        return CompletionLogprobs(**{name: getattr(prompt, name) + getattr(output, name) for name in CompletionLogprobs.model_fields})
+
+    def _prompt_logprobs(self, echo: Echo, logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        """An echoed prompt's tokens: the first with null log probabilities (nothing before it)."""
+        if logprobs is None:
+            return None
+        rest = self._logprobs(echo.token_ids[1:], logprobs, len(self.token_text(echo.token_ids[0])))
+        return CompletionLogprobs(tokens=[self.token_text(echo.token_ids[0]), *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                                  top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
         if logprobs is None:

@@ -119,9 +119,9 @@ async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journe
     if first.finish_reason != "length" or req.sampling.max_tokens == 1:
         for _ in range(consumers):
             await c.release(lease)
-        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs)
+        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs, first.prompt_logprobs)
         return
-    yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs)
+    yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
     wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
     if decision.pipeline is Pipeline.p_md:

@@ -42,6 +42,10 @@ class SamplingOptions(msgspec.Struct):
     """Token id -> bias added to its logit: per token, so every engine applies the same."""
     logprobs: int | None = None
     """Return each output token's log probability and this many most likely alternatives (None: none)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log probability and this many most likely alternatives (None:
+    none). Only the engine that computes the user's prompt can: vLLM then recomputes the whole
+    prompt (it reads no cached prefix), so a continuation (`continued`) never asks."""
     sampled_before: int = 0
     """Output tokens other engines sampled before this request's first (its prompt ends
     with them). A seeded request's generator skips their draws, and penalties count
@@ -52,7 +56,7 @@ class SamplingOptions(msgspec.Struct):
         """For a request whose prompt goes on with `done` more of its output tokens:
         the rest of max_tokens (or `max_tokens`), the seed's stream `done` draws on."""
         return msgspec.structs.replace(self, max_tokens=self.max_tokens - done if max_tokens is None else max_tokens,
-                                       sampled_before=self.sampled_before + done)
+                                       sampled_before=self.sampled_before + done, prompt_logprobs=None)
 
 
 class EngineRequest(msgspec.Struct, tag="gen"):
@@ -86,6 +90,9 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One per token of `token_ids`, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """When the request asked for them, on the delta that ends its prefill: one per prompt
+    token after the first (the first has nothing before it to be scored on)."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache or loaded by the KV connector."""

@@ -278,6 +278,45 @@ def test_logprobs_come_with_each_token_streamed_or_not(client):
     assert text_of(stopped.logprobs.tokens).startswith(stopped.text) and len(stopped.logprobs.tokens) < 16
 
 
+def test_an_echoed_prompt_comes_before_the_completion_streamed_or_not(client):
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(prompt="list the errors", **kw).choices[0]
+    echoed = client.completions.create(prompt="list the errors", echo=True, **kw)
+    assert echoed.choices[0].text == "list the errors" + plain.text
+    assert echoed.usage.completion_tokens == 12
+    chunks = [c for c in client.completions.create(prompt="list the errors", echo=True, stream=True, **kw) if c.choices]
+    assert chunks[0].choices[0].text == "list the errors"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    prompt_only = client.completions.create(prompt=["list the errors", "count them"], echo=True, **{**kw, "max_tokens": 0})
+    assert [c.text for c in prompt_only.choices] == ["list the errors", "count them"]
+    assert {c.finish_reason for c in prompt_only.choices} == {"length"} and prompt_only.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(prompt="list the errors", **{**kw, "max_tokens": 0})
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_an_echoed_prompt_is_scored_as_the_same_tokens_are_when_generated(client):
+    """lm-eval-harness's loglikelihood request (token ids, echo, logprobs, max_tokens 0 or 1):
+    a greedy answer, scored as part of a prompt, gets the log probabilities it was generated with."""
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_devmodel()))
+    prompt = tokenizer("Summarize the log file and list the errors.")["input_ids"]
+    kw = {"model": MODEL, "temperature": 0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    generated = client.completions.create(prompt=prompt, max_tokens=10, logprobs=1, **kw).choices[0]
+    context = prompt + generated.token_ids
+    for max_tokens in (0, 1):
+        scored = client.completions.create(prompt=[context, prompt], max_tokens=max_tokens, logprobs=1, echo=True, **kw)
+        whole, head = scored.choices[0].logprobs, scored.choices[1].logprobs
+        assert len(whole.tokens) == len(context) + max_tokens and whole.token_logprobs[0] is None and whole.top_logprobs[0] is None
+        assert whole.token_logprobs[len(prompt):len(context)] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-3)
+        # greedy tokens are their places' best (lm-eval's is_greedy)
+        assert all(lp == max(top.values()) for lp, top in zip(whole.token_logprobs[len(prompt):len(context)], whole.top_logprobs[len(prompt):]))
+        assert head.token_logprobs[:len(prompt)] == pytest.approx(whole.token_logprobs[:len(prompt)], abs=1e-3)
+        assert scored.choices[0].text.startswith(tokenizer.decode(context, skip_special_tokens=True))
+    streamed = [c.choices[0].logprobs for c in client.completions.create(prompt=context, max_tokens=0, logprobs=1, echo=True, stream=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.token_logprobs[:len(context)], abs=1e-3)
+
+
 def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_by_name(app):
     # what SDKs send by default (langchain's completion LLM sends logprobs: null)
     chat_neutral = {"logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
@@ -295,7 +334,7 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
         ("/v1/chat/completions", "store", True, "not supported (completions are not stored); leave it out or send null or false"),
         ("/v1/chat/completions", "reasoning_effort", "high", "not supported (not a reasoning model); leave it out or send null"),
         ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
-        ("/v1/completions", "echo", True, "not supported (the prompt is not repeated)"),
+        ("/v1/completions", "suffix", "}", "not supported (no insertion)"),
         ("/v1/completions", "best_of", True, "not supported (choices are not ranked); leave it out or send null or 1"),
     ):
         body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}

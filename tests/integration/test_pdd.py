@@ -57,6 +57,14 @@ def knobs(app):
 _seed = iter(range(10_000))
 
 
+RELAY_64_ONE_SHOT = {"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"}
+"""Handoff knobs: the relay decodes 64 tokens, then MD takes over in one step."""
+
+
+def api(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+
+
 def fresh(n: int) -> list[int]:
     """A prompt no engine has seen."""
     rng = random.Random(1000 + next(_seed))
@@ -90,7 +98,7 @@ def wait_for_md_report(app, request_id: str, timeout_s: float = 60) -> dict:
 
 
 def stream_text(app, prompt, max_tokens) -> str:
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     chunks = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
@@ -130,7 +138,7 @@ def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
 
 def test_a_batchs_choices_relay_side_by_side_and_give_the_colocated_tokens(app):
     prompts = [fresh(1200), fresh(1200)]
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     texts = {i: "" for i in range(4)}
     for chunk in client.completions.create(model="pdd-dev", prompt=prompts, n=2, max_tokens=300, temperature=0, stream=True):
         for choice in chunk.choices:
@@ -142,7 +150,7 @@ def test_a_batchs_choices_relay_side_by_side_and_give_the_colocated_tokens(app):
 
 
 def test_a_seeded_sample_is_the_colocated_one_whichever_pipeline_serves_it(app, knobs):
-    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    knobs(handoff=RELAY_64_ONE_SHOT)
     prompt, seeded = fresh(LONG), {"temperature": 1.0, "top_p": 0.9, "seed": 11}
     relayed, journey = completion(app, prompt, 400, **seeded)
     assert journey["pipeline"] == "P-RLD-MD", journey["decision"]
@@ -157,7 +165,7 @@ def test_a_seeded_sample_is_the_colocated_one_whichever_pipeline_serves_it(app, 
 
 def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, knobs):
     """After each handoff the earlier output is in the next engine's prompt: it still counts as output."""
-    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    knobs(handoff=RELAY_64_ONE_SHOT)
     prompt, penalties = fresh(LONG), {"frequency_penalty": 1.5, "presence_penalty": 0.5}
     relayed, journey = completion(app, prompt, 300, **penalties)
     sources = [role for role, _ in journey["token_sources"]]
@@ -167,9 +175,9 @@ def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, kno
 
 
 def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
-    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     plain = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, extra_body={"return_token_ids": True, "pdd_mode": "colocated"})
     common = [t for t, _ in Counter(plain.choices[0].token_ids).most_common(5)]
     bias = {str(t): -100 for t in common}
@@ -182,9 +190,9 @@ def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
 
 
 def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(app, knobs):
-    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"})
+    knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
 
     def logprobs(**extra):
         out = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=3, stream=True,
@@ -203,11 +211,32 @@ def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(ap
     assert [sorted(t) for t in top] == [sorted(t) for t in single_top]
 
 
+def test_an_echoed_prompt_is_scored_by_prefill_as_by_a_single_engine(app, knobs):
+    """P computes the prompt, so P scores it; the answer goes on across RLD and MD."""
+    knobs(handoff=RELAY_64_ONE_SHOT)
+    prompt = fresh(LONG)
+    client = api(app)
+
+    def scored(**extra):
+        out = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=2, echo=True,
+                                        extra_body={"ignore_eos": True, **extra})
+        return out.id, out.choices[0]
+
+    request_id, relayed = scored()
+    journey = app.journey(request_id)
+    sources = [role for role, _ in journey["token_sources"]]
+    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    _, single = scored(pdd_mode="colocated")
+    assert relayed.text == single.text and relayed.logprobs.tokens == single.logprobs.tokens
+    assert len(relayed.logprobs.tokens) == len(prompt) + 200 and relayed.logprobs.token_logprobs[0] is None
+    assert relayed.logprobs.token_logprobs[1:] == pytest.approx(single.logprobs.token_logprobs[1:], abs=1e-3)
+
+
 def test_high_hit_turn_goes_straight_to_md(app):
     """The next turn repeats the conversation, answer included: MD holds all of it
     (it decoded the answer, or caught up on the relay's answer by recompute)."""
     turn1 = fresh(LONG)
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0, extra_body={"return_token_ids": True})
     answer = first.choices[0].token_ids
     if app.journey(first.id)["handoff"]["mode"] == "none":  # the relay finished turn 1; MD still pulls it (~2 s)
@@ -227,7 +256,7 @@ def test_high_hit_turn_goes_straight_to_md(app):
 def test_a_turn_stopped_during_the_relay_still_reaches_md(app):
     """A stop string ends the client's stream while RLD relays: MD still catches up on the
     turn, so the next one goes straight to MD and only what it added crosses the WAN."""
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     relays = []
     for _ in range(3):  # on a loaded host MD's pull can win the race to the stop string: another turn then
         turn1 = fresh(LONG)
@@ -260,7 +289,7 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     """A stop string ends the client's stream while MD decodes: the conductor's index still
     learns what MD computed, so the next turn's estimate counts it and only what that turn
     added is expected to cross the WAN."""
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     turn1 = fresh(LONG)
     answer1 = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0,
                                         extra_body={"return_token_ids": True}).choices[0].token_ids
@@ -284,7 +313,7 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
 def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estimate(app, knobs):
     """As above, on P-RLD-MD: a stop string ends the stream after MD took over from RLD."""
     knobs(handoff={"relay_cap_tokens": 24, "min_relay_cap_tokens": 24, "mode": "one_shot"})
-    client = openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
+    client = api(app)
     turn1 = fresh(LONG)
     reference, _ = completion(app, turn1, 200, mode="colocated", ignore_eos=True)
     app.handle("Conductor").reset_prefix_caches.remote().result()

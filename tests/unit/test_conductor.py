@@ -5,13 +5,13 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from app.conductor import Conductor, GenerationRequest
+from app.conductor import Conductor, EngineError, GenerationRequest
 from app.config import Mode, PDDConfig, RoleName
 from app.devmodel import ensure_devmodel
 from app.engine import ReplicaInfo
 from app.journal import Journey
 from app.kv.params import PULL
-from app.token_channel import EngineDelta, EngineRequest, SamplingOptions
+from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
 from tests.conftest import local_args
 
 SENTENCE = "the cluster relays the first tokens then the main decoder takes over and the end is near and far away"
@@ -20,13 +20,18 @@ SENTENCE = "the cluster relays the first tokens then the main decoder takes over
 class ScriptedEngines:
     """Stands in for app.engine_client.EngineClient: one main decoder whose streams
     emit SENTENCE's tokens, one per loop turn (the first with `transfer`, a pull's
-    report, if set); it records which streams are open, and calls `on_open` as one opens."""
+    report, if set); it records which streams are open, and calls `on_open` as one opens.
+    A request asking for prompt log probabilities gets them on its first delta, as vLLM
+    sends them, unless `scores_prompt` is off; `failures` streams fail before any token."""
 
     def __init__(self, token_ids: list[int]):
         self.token_ids = token_ids
         self.transfer: dict | None = None
         self.on_open = lambda: None
         self.open: set[str] = set()
+        self.scores_prompt = True
+        self.failures = 0
+        self.requests: list[EngineRequest] = []
         self.replica = ReplicaInfo("md-0", "main_decode", "127.0.0.1", "node", "dc-b", 1000, 16, 0, 1024)
 
     async def replicas(self, role: RoleName) -> list[ReplicaInfo]:
@@ -38,15 +43,25 @@ class ScriptedEngines:
     def load(self, replica_id: str) -> float:
         return 0.0
 
+    def suspect(self, replica_id: str) -> None:
+        pass
+
     async def stream(self, replica: ReplicaInfo, request):
+        self.requests.append(request)
         self.open.add(request.request_id)
         self.on_open()
         try:
+            if self.failures:
+                self.failures -= 1
+                raise ChannelClosed("scripted failure")
+            scored = request.sampling.prompt_logprobs is not None and self.scores_prompt
             for i, token in enumerate(self.token_ids):
                 await asyncio.sleep(0)
                 last = i == len(self.token_ids) - 1
                 transfer = self.transfer if i == 0 else None
-                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None, transfer=transfer)
+                prompt_logprobs = [TokenLogprob(-1.0 * t) for t in request.prompt_token_ids[1:]] if scored and i == 0 else None
+                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None, transfer=transfer,
+                                  prompt_logprobs=prompt_logprobs)
         finally:
             self.open.discard(request.request_id)
 
@@ -129,3 +144,32 @@ async def test_a_first_token_without_a_report_means_the_pull_moved_nothing(condu
     before, after = await _pull_stream(conductor, 50_000_000)
     assert before > 40_000_000 and after == 0
     assert conductor._link_share("dc-a->dc-b").finish("req-1-md", now=1e9) is None  # gone from the share model too
+
+
+def _scored_request(prompt: list[int]) -> GenerationRequest:
+    return GenerationRequest("req-1", prompt, SamplingOptions(max_tokens=200, prompt_logprobs=0), [], Mode.colocated)
+
+
+async def test_a_prompts_logprobs_reach_the_client_with_its_first_output(conductor):
+    prompt = [11, 12, 13]
+    outputs = [out async for out in conductor.generate(_scored_request(prompt))]
+    assert outputs[0].text and outputs[0].prompt_logprobs == [TokenLogprob(-12.0), TokenLogprob(-13.0)]
+    assert all(out.prompt_logprobs is None for out in outputs[1:])
+
+
+async def test_a_request_restarted_before_its_first_token_asks_again_for_its_prompts_logprobs(conductor):
+    conductor.engines.failures = 1
+    outputs = [out async for out in conductor.generate(_scored_request([11, 12, 13]))]
+    assert [r.sampling.prompt_logprobs for r in conductor.engines.requests] == [0, 0]
+    assert outputs[0].prompt_logprobs == [TokenLogprob(-12.0), TokenLogprob(-13.0)]
+
+
+async def test_prompt_logprobs_asked_and_not_sent_fail_the_request(conductor):
+    conductor.engines.scores_prompt = False
+    with pytest.raises(EngineError, match="no prompt log probabilities"):
+        [out async for out in conductor.generate(_scored_request([11, 12, 13]))]
+
+
+def test_a_continuation_never_asks_for_prompt_logprobs():
+    sampling = SamplingOptions(max_tokens=10, prompt_logprobs=2)
+    assert sampling.continued(1).prompt_logprobs is None

@@ -2,7 +2,7 @@
 
 from vllm.logprobs import Logprob
 
-from app.engine import token_logprobs
+from app.engine import prompt_token_logprobs, token_logprobs
 from app.token_channel import TokenLogprob
 
 
@@ -16,3 +16,10 @@ def test_each_token_gets_its_own_logprob_and_the_top_alternatives_best_first():
         TokenLogprob(-4.0, [(6, -0.1), (5, -2.4)]),
     ]
     assert token_logprobs([5], positions[:1], top=0) == [TokenLogprob(-0.2, [])]
+
+
+def test_a_prompts_logprobs_score_each_token_after_the_first_on_what_came_before():
+    positions = [None, {8: Logprob(-2.0, rank=3), 9: Logprob(-0.5, rank=1)}, {10: Logprob(-0.3, rank=1)}]
+    assert prompt_token_logprobs([7, 8, 10], positions, top=1) == [TokenLogprob(-2.0, [(9, -0.5)]), TokenLogprob(-0.3, [(10, -0.3)])]
+    assert prompt_token_logprobs([7, 8, 10], positions, top=None) is None
+    assert prompt_token_logprobs([7, 8, 10], [], top=1) is None  # a delta after the prefill's
