@@ -33,12 +33,15 @@ HEAD_PORT = 6379
 DASHBOARD_PORT = 8265
 DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 
-#: Environment for every Ray process we start: Serve's throughput mode, and the
-#: token auth Ray 2.60 turns on for `ray start --head`.
+#: Environment for every Ray process we start: Serve's throughput mode, the
+#: token auth Ray 2.60 turns on for `ray start --head`, and time for Serve's proxy
+#: to start. Serve gives it 5 s, then kills it and fails the deploy waiting on it;
+#: a proxy starting beside the engines' imports on a small host took 19 s.
 CLUSTER_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_AUTH_MODE": "token",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
 }
 
 
