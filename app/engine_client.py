@@ -79,6 +79,11 @@ class EngineClient:
             healthy = self._healthy(live)
         return healthy
 
+    def live_replica_ids(self) -> set[str] | None:
+        """Every role's replicas Serve routes to now; None until each role's router has its first set."""
+        sets = [live_replicas(DEPLOYMENT_NAMES[role]) for role in self._handles]
+        return None if any(s is None for s in sets) else set().union(*sets)
+
     def _healthy(self, live: frozenset[str]) -> list[ReplicaInfo]:
         now = time.monotonic()
         return [self._replicas[rid] for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]

@@ -45,7 +45,11 @@ class Faults:
     def kill_role(self, role: RoleName) -> str:
         return self.kill_replica(DEPLOYMENT_NAMES[role])
 
-    def restart_conductor(self) -> str:
+    def restart_conductor(self, forget_index: bool = False) -> str:
+        """Kill the conductor; Serve starts another, from the prefix index the last one saved,
+        or with `forget_index` from an empty one (as after a GCS restart without fault tolerance)."""
+        if forget_index:
+            self._handle("Conductor").forget_saved_index.remote().result()
         return self.kill_replica("Conductor")
 
     def _links(self, direction: str):

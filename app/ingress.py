@@ -31,6 +31,7 @@ from app.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient, NoReplicaError
+from app.index_store import IndexStore
 from app.journal import JOURNAL_CAPACITY
 from app.replica_logging import log_to_stderr
 from app.token_channel import ChannelClosed, SamplingOptions
@@ -314,8 +315,9 @@ class ConductorIngress:
         self._anchor_text = self.tokenizer.decode([self._anchor])
         self._token_texts: dict[int, str] = {}
         handles = {RoleName(role): h for role, h in engines.items()}
-        replica_id = serve.get_replica_context().replica_id.unique_id
-        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer, replica_id)
+        context = serve.get_replica_context()
+        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer,
+                                   context.replica_id.unique_id, IndexStore(context.app_name))
         self.keys = ApiKeys(self.config.server.api_keys)
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()
@@ -326,6 +328,10 @@ class ConductorIngress:
     async def reset_prefix_caches(self) -> None:
         """Serve-handle control call (not HTTP): empty every engine's prefix cache."""
         await self.conductor.reset_prefix_caches()
+
+    async def forget_saved_index(self) -> None:
+        """Serve-handle control call (not HTTP): the next conductor starts from an empty prefix index."""
+        await self.conductor.forget_saved_index()
 
     # ---- request preparation -------------------------------------------------
 

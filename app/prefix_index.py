@@ -13,6 +13,9 @@ from the replica's real KV cache.
 Keys are chained block hashes (a block's key covers every token before it), so
 one dictionary lookup per block answers "how long a prefix does this replica
 hold", as vLLM's own prefix cache does.
+
+A replica's confirmed blocks can be saved and restored (`snapshot` / `restore`):
+a new conductor then starts from what the last one knew (app/index_store.py).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class _LRU:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def in_order(self) -> list[int]:
+        """Least recently used first."""
+        return list(self._keys)
+
 
 class ReplicaCache:
     """One replica's blocks as the conductor knows them.
@@ -79,11 +86,19 @@ class ReplicaCache:
     def __init__(self, capacity_blocks: int):
         self.held = _LRU(capacity_blocks)
         self.routed = _LRU(capacity_blocks)
+        self.changes = 0
+        """Counts changes to `held` (what a snapshot holds)."""
+
+    def hold(self, keys: Sequence[int]) -> None:
+        self.held.add(keys)
+        self.routed.add(keys)
+        self.changes += 1
 
     def forget_from(self, keys: Sequence[int], first: int) -> None:
         """The replica no longer holds keys[first:] (it reported a shorter hit)."""
         self.held.discard(keys[first:])
         self.routed.discard(keys[first:])
+        self.changes += 1
 
     def __len__(self) -> int:
         return len(self.routed)
@@ -163,9 +178,7 @@ class PrefixIndex:
 
     def record(self, replica_id: str, keys: Sequence[int], capacity_blocks: int) -> None:
         """The replica now holds these blocks (it just computed or received them)."""
-        cache = self._cache(replica_id, capacity_blocks)
-        cache.held.add(keys)
-        cache.routed.add(keys)
+        self._cache(replica_id, capacity_blocks).hold(keys)
 
     def observe(self, replica_id: str, keys: Sequence[int], actual_cached_tokens: int) -> None:
         """Correct the index with the hit the engine actually found."""
@@ -173,8 +186,30 @@ class PrefixIndex:
         if cache is not None and cache.held.matched(keys) * self.block_size > actual_cached_tokens:
             cache.forget_from(keys, actual_cached_tokens // self.block_size)
 
-    def drop(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
-
     def known_replicas(self) -> list[str]:
         return list(self._replicas)
+
+    def changes(self, replica_id: str) -> int:
+        """A count that moves whenever the replica's confirmed blocks change (-1: unknown replica)."""
+        cache = self._replicas.get(replica_id)
+        return -1 if cache is None else cache.changes
+
+    def held_blocks(self, replica_id: str) -> int:
+        cache = self._replicas.get(replica_id)
+        return 0 if cache is None else len(cache.held)
+
+    def forget_all_but(self, live: set[str]) -> list[str]:
+        """Drop the replicas not in `live` (gone: dead, or scaled away); their ids."""
+        gone = [rid for rid in self._replicas if rid not in live]
+        for rid in gone:
+            del self._replicas[rid]
+        return gone
+
+    def snapshot(self, replica_id: str) -> tuple[int, list[int]]:
+        """A replica's capacity and confirmed blocks, least recently used first."""
+        cache = self._replicas[replica_id]
+        return cache.held.capacity, cache.held.in_order()
+
+    def restore(self, replica_id: str, capacity_blocks: int, held: list[int]) -> None:
+        """A replica's confirmed blocks as `snapshot` gave them."""
+        self._cache(replica_id, capacity_blocks).hold(held)

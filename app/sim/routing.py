@@ -308,6 +308,10 @@ class RunReplicaCache:
         self.held = RunLRU(capacity_blocks)
         self.routed = RunLRU(capacity_blocks)
 
+    def hold(self, keys: KeyChain) -> None:
+        self.held.add(keys)
+        self.routed.add(keys)
+
     def forget_from(self, keys: KeyChain, first: int) -> None:
         """The replica no longer holds keys[first:] (it reported a shorter hit)."""
         rest = keys[first:]

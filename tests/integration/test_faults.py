@@ -273,9 +273,9 @@ def test_conductor_restart(app, faults):
     assert journey["completion_tokens"] == 10
 
 
-def restart_conductor_and_wait(app, faults, main_decoders: int = 2, timeout_s: float = 120) -> None:
-    """A new conductor, its index empty, that sees every main decoder and has nothing in flight."""
-    faults.restart_conductor()
+def restart_conductor_and_wait(app, faults, main_decoders: int = 2, timeout_s: float = 120, forget_index: bool = False) -> None:
+    """A new conductor (its index empty with `forget_index`) that sees every main decoder and has nothing in flight."""
+    faults.restart_conductor(forget_index)
     app.wait_running()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -299,7 +299,7 @@ def wait_decoders_idle(app, timeout_s: float = 60) -> None:
 
 
 def test_a_new_conductor_sends_no_turn_behind_kv_a_decoder_already_held(app, faults):
-    """A restarted conductor knows none of the main decoders' caches: a returning conversation's
+    """A restarted conductor without a saved index knows none of the main decoders' caches: a returning conversation's
     turn is expected to send its whole context over the WAN, and the decoder that still holds
     it pulls one block. What it did not pull must leave routing's WAN backlog when its decoder
     says so, or the turns after it wait behind bytes that never cross.
@@ -310,14 +310,14 @@ def test_a_new_conductor_sends_no_turn_behind_kv_a_decoder_already_held(app, fau
     knobs = {"routing": {**app.args["routing"], "max_wan_transfer_ms": 60_000}, "handoff": app.args["handoff"]}
     app.set_user_config("Conductor", knobs)  # every turn P-MD: MD's pull is the turn's, and ends with it
     try:
-        restart_conductor_and_wait(app, faults)
+        restart_conductor_and_wait(app, faults, forget_index=True)
         first = []
         for prompt in conversations:
             assert wait_backlog_drained(app)
             wait_decoders_idle(app)
             first.append(completion(app, prompt, 4)[1])
         assert wait_backlog_drained(app)
-        restart_conductor_and_wait(app, faults)
+        restart_conductor_and_wait(app, faults, forget_index=True)
         for prompt, before in zip(conversations, first):
             wait_decoders_idle(app)
             _, journey = completion(app, prompt, 4)
@@ -330,3 +330,35 @@ def test_a_new_conductor_sends_no_turn_behind_kv_a_decoder_already_held(app, fau
             assert wan["bytes"] < whole["bytes"] / 10
     finally:
         app.set_user_config("Conductor", {"routing": app.args["routing"], "handoff": app.args["handoff"]})
+
+
+def wait_index_saved(app, timeout_s: float = 60) -> None:
+    """Until the conductor has saved its prefix index since now."""
+    since = time.time()
+    deadline = time.monotonic() + timeout_s
+    while (app.state().get("prefix_index_saved_at") or 0) <= since:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the conductor never saved its prefix index")
+        time.sleep(0.5)
+
+
+def test_a_new_conductor_starts_from_the_index_the_last_one_saved(app, faults):
+    """After a restart, a returning conversation's next turn is routed on what its main
+    decoder holds: P-MD with only the new blocks to send, as before the restart, not
+    P-RLD-MD with its whole context expected to cross the WAN."""
+    conversations = [fresh(1000) for _ in range(2)]
+    knobs = {"routing": {**app.args["routing"], "max_wan_transfer_ms": 60_000}, "handoff": app.args["handoff"]}
+    app.set_user_config("Conductor", knobs)  # the first turns P-MD: their contexts on MD once they end
+    try:
+        first = [completion(app, prompt, 4)[1] for prompt in conversations]
+    finally:
+        app.set_user_config("Conductor", {"routing": app.args["routing"], "handoff": app.args["handoff"]})
+    assert wait_backlog_drained(app)
+    wait_index_saved(app)
+    restart_conductor_and_wait(app, faults)
+    for prompt, before in zip(conversations, first):
+        wait_decoders_idle(app)
+        _, journey = completion(app, prompt + fresh(40), 4)
+        assert journey["pipeline"] == "P-MD", journey["decision"]
+        assert journey["replicas"]["main_decode"] == before["replicas"]["main_decode"]
+        assert journey["decision"]["md_hit_estimate"] > 0.9 and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]

@@ -46,6 +46,12 @@ class ScriptedEngines:
     def suspect(self, replica_id: str) -> None:
         pass
 
+    def live_replica_ids(self) -> set[str]:
+        return {self.replica.replica_id}
+
+    async def reset_prefix_caches(self) -> None:
+        pass
+
     async def stream(self, replica: ReplicaInfo, request):
         self.requests.append(request)
         self.open.add(request.request_id)

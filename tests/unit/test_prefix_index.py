@@ -93,3 +93,29 @@ def test_new_conversations_spread_and_stay_put():
         assert idx.choose(replicas, keys, load=lambda rid: 0).replica_id == picks[conv]  # stable
     counts = [list(picks.values()).count(r) for r in replicas]
     assert min(counts) >= 10, counts
+
+
+def test_a_restored_index_estimates_and_evicts_as_the_saved_one():
+    saved = PrefixIndex(32)
+    saved.record("md", [1, 2, 3], capacity_blocks=3)
+    saved.record("md", [1], capacity_blocks=3)  # 2 is now the least recently used
+    restored = PrefixIndex(32)
+    restored.restore("md", *saved.snapshot("md"))
+    assert restored.snapshot("md") == saved.snapshot("md") == (3, [2, 3, 1])
+    assert restored.estimate("md", [1]) == 32
+    restored.record("md", [4], capacity_blocks=3)
+    assert restored.estimate("md", [2]) == 0 and restored.estimate("md", [3]) == 32
+
+
+def test_changes_count_what_a_snapshot_holds_and_gone_replicas_are_forgotten():
+    idx = PrefixIndex(32)
+    assert idx.changes("md") == -1
+    idx.record("md", [1, 2], capacity_blocks=10)
+    idx.record("p", [1, 2], capacity_blocks=10)
+    recorded = idx.changes("md")
+    idx.route("md", [5], capacity_blocks=10)  # routed, not confirmed: not in a snapshot
+    assert idx.changes("md") == recorded
+    idx.observe("md", [1, 2], actual_cached_tokens=32)
+    assert idx.changes("md") > recorded and idx.held_blocks("md") == 1
+    assert idx.forget_all_but({"p", "rld"}) == ["md"]
+    assert idx.known_replicas() == ["p"] and idx.held_blocks("md") == 0
