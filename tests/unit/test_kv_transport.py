@@ -189,7 +189,15 @@ class RelayThread:
 
     def close(self):
         self.call(self.relay.close())
+        self.call(self._cancel_connections())  # as asyncio.run ends: no task left pending on a dead loop
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+    @staticmethod
+    async def _cancel_connections():
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_relay_paces_to_the_link_bandwidth(source):
