@@ -54,9 +54,13 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
     targets = state["slo"]["targets"]
     pct = f"p{targets['percentile']:g}"
     header = f"[bold]{state['model']}[/bold]  mode [bold]{state['mode']}[/bold]  in flight {state['in_flight']}"
+    saved_at = state.get("prefix_index_saved_at")
+    if saved_at is not None:
+        header += f"  prefix index saved {max(0.0, time.time() - saved_at):.0f} s ago"
 
     roles = Table(title="roles", expand=True)
-    for col in ("role", "datacenter", "accelerator", "replicas", "in flight"):
+    # "KV blocks known": what the conductor routes on (blocks it knows each replica holds), of the replicas' capacity
+    for col in ("role", "datacenter", "accelerator", "replicas", "in flight", "KV blocks known"):
         roles.add_column(col)
     for name, r in state["roles"].items():
         live = len(r["replicas"])
@@ -65,7 +69,10 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         in_flight = sum(x["in_flight"] for x in r["replicas"])
         # MD warm-ups outlive the relayed requests that started them: streams without a client
         warming = sum(x["warming"] for x in r["replicas"])
-        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight))
+        known = sum(x["known_blocks"] for x in r["replicas"])
+        capacity = sum(x["kv_blocks"] for x in r["replicas"])
+        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight),
+                      f"{known:,} of {capacity:,}")
 
     links = Table(title="links", expand=True)
     for col in ("direction", "Mbit/s", "RTT ms", "KV moved", "state"):

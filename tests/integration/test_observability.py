@@ -148,6 +148,8 @@ def test_state_endpoint(app, traffic):
     assert {r: len(v["replicas"]) for r, v in state["roles"].items()} == {"prefill": 1, "relay_decode": 1, "main_decode": 1}
     assert state["roles"]["main_decode"]["datacenter"] == "dc-b"
     assert all(isinstance(r["warming"], int) and r["warming"] >= 0 for v in state["roles"].values() for r in v["replicas"])
+    (md,) = state["roles"]["main_decode"]["replicas"]
+    assert 0 < md["known_blocks"] <= md["kv_blocks"], md  # the traffic's contexts, as routing knows them
     assert state["knobs"]["routing"]["max_wan_transfer_ms"] == app.args["routing"]["max_wan_transfer_ms"]
     assert state["links"]["dc-a->dc-b"]["bytes_down"] > 0
     recent = state["slo"]["recent"]["by_pipeline"]

@@ -3,6 +3,8 @@ first token), and the recent SLO figures the conductor keeps from journeys."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from rich.console import Console
 from vllm.v1.metrics.stats import RequestStateStats
@@ -71,14 +73,17 @@ def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_ye
     assert figures_to_show(idle, first_scrape) == (first_scrape, "")
 
 
-def test_pdd_status_tells_md_warm_ups_from_requests():
+def test_pdd_status_tells_md_warm_ups_from_requests_and_what_routing_knows():
     role = {"datacenter": "dc-b", "accelerator": "cpu", "configured_replicas": 2, "replicas": [
-        {"in_flight": 3, "warming": 2}, {"in_flight": 1, "warming": 0},
+        {"in_flight": 3, "warming": 2, "known_blocks": 1200, "kv_blocks": 4000}, {"in_flight": 1, "warming": 0, "known_blocks": 34, "kv_blocks": 4000},
     ]}
-    idle = {**role, "datacenter": "dc-a", "configured_replicas": 1, "replicas": [{"in_flight": 0, "warming": 0}]}
+    idle = {**role, "datacenter": "dc-a", "configured_replicas": 1, "replicas": [{"in_flight": 0, "warming": 0, "known_blocks": 0, "kv_blocks": 900}]}
     state = {"model": "m", "mode": "pdd", "in_flight": 2, "roles": {"main_decode": role, "prefill": idle}, "links": {},
-             "knobs": LiveKnobs().model_dump(mode="json"), "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {}}}}
+             "knobs": LiveKnobs().model_dump(mode="json"), "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {}}},
+             "prefix_index_saved_at": time.time() - 3}
     console = Console(width=200, record=True)
     console.print(render(state, None))
-    rows = {line.split("│")[1].strip(): line.split("│")[5].strip() for line in console.export_text().splitlines() if line.count("│") > 5}
-    assert rows["main_decode"] == "4 (2 warm-ups)" and rows["prefill"] == "0"
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[5:7]] for line in text.splitlines() if line.count("│") > 6}
+    assert rows["main_decode"] == ["4 (2 warm-ups)", "1,234 of 8,000"] and rows["prefill"] == ["0", "0 of 900"]
+    assert "prefix index saved 3 s ago" in text
