@@ -18,6 +18,7 @@ from agents.chatops.cli import ask as ask_command
 from agents.cli import agents_cli
 from app import cluster, native
 from app.config_file import ConfigError, load_config
+from app.fault_cli import fault_cli
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
@@ -28,6 +29,7 @@ native_cli = typer.Typer(help="Compiled (Cython) builds of the digital twin's ho
 main.add_typer(cluster_cli, name="cluster")
 main.add_typer(native_cli, name="native")
 main.add_typer(agents_cli, name="agents")
+main.add_typer(fault_cli, name="fault")
 main.command("ask")(ask_command)
 main.command("sim")(sim_command)
 main.command("calibrate")(calibrate_command)

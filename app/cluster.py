@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +182,26 @@ def recorded_address() -> str | None:
         return json.loads(_record().read_text())["address"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+@contextmanager
+def connected(address: str | None = None) -> Iterator[None]:
+    """This process connected to a running cluster (`address`, or the one `up` last started
+    here) for the block; one already connected stays so."""
+    os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = address or recorded_address()
+    if address is None:
+        raise ConnectionError("no Ray cluster recorded by `pdd run` on this machine: pass --address")
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def recorded_temp_dir(address: str) -> str | None:

@@ -54,7 +54,13 @@ class Faults:
 
     def _links(self, direction: str):
         """The emulator of a direction such as "dc-a->dc-b" (it lives in the receiving datacenter)."""
-        return self._handle(deployment_name(direction.split("->")[1]))
+        source, arrow, destination = direction.partition("->")
+        if not (source and arrow and destination):
+            raise ValueError(f"a link direction reads like dc-a->dc-b, not {direction!r}")
+        deployment = deployment_name(destination)
+        if not self.replicas(deployment):  # a handle to no deployment would wait for one forever
+            raise ValueError(f"no link emulator receives in {destination!r} in app {self.app_name} (is it running? a datacenter of its config?)")
+        return self._handle(deployment)
 
     def cut_link(self, direction: str, seconds: float | None = None) -> None:
         """Sever e.g. "dc-a->dc-b" for `seconds` (None: until restore_link)."""

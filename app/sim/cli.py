@@ -246,23 +246,11 @@ def calibrate(
 
 def _fit_from_app(base: FittedPerf, app_name: str, address: str | None):
     """`base` fitted per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
-    import os
-
-    from app.cluster import CLUSTER_ENV, recorded_address
-
-    os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
-    import ray
-
+    from app.cluster import connected
     from app.sim.calibrate import fit_to_app_steps, take_app_steps
 
-    address = address or recorded_address()
-    if address is None:
-        raise ConnectionError("no Ray cluster recorded by `pdd run` on this machine: pass --address")
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    try:
+    with connected(address):
         steps = take_app_steps(app_name, clear=False)
-    finally:
-        ray.shutdown()
     if not steps:
         raise ValueError(f"no engine replica of Serve app {app_name!r} is running on {address}")
     return fit_to_app_steps(base, steps), {role.value: samples for role, samples in steps.items()}

@@ -13,9 +13,11 @@ import time
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
 from app import metrics
 from app.link_directory import LinkDirectory
+from app.cli import main as pdd
 from app.config import PDDConfig
 from app.faults import Faults
 from tests.conftest import local_args, set_wan
@@ -240,8 +242,35 @@ def test_wan_outage(app, faults):
     assert leases_back_to_zero(app)
 
 
+def pdd_fault(*args: str, exit_code: int = 0) -> str:
+    """`pdd fault ARGS` against the test app (this process is already connected to its cluster)."""
+    result = CliRunner().invoke(pdd, ["fault", *args, "--app-name", APP], env={"COLUMNS": "200"})
+    assert result.exit_code == exit_code, result.output
+    return " ".join(result.output.split())
+
+
+def test_pdd_fault_cuts_slows_and_restores_a_link_and_names_what_it_cannot_find(app, faults):
+    direction = "dc-a->dc-b"
+    configured = faults.link_counters(direction)["bandwidth_mbps"], faults.link_counters(direction)["rtt_ms"]
+    try:
+        assert pdd_fault("cut", direction) == f"{direction} cut until `pdd fault restore`"
+        assert faults.link_counters(direction)["is_cut"]
+        assert pdd_fault("restore", direction) == f"{direction} restored to its configured figures"
+        assert not faults.link_counters(direction)["is_cut"]
+        assert pdd_fault("slow", direction, "--bandwidth-mbps", "5", "--rtt-ms", "80") == f"{direction} slowed to 5 Mbit/s, RTT 80 ms until `pdd fault restore`"
+        assert (faults.link_counters(direction)["bandwidth_mbps"], faults.link_counters(direction)["rtt_ms"]) == (5, 80)
+        pdd_fault("restore", direction)
+        assert (faults.link_counters(direction)["bandwidth_mbps"], faults.link_counters(direction)["rtt_ms"]) == configured != (5, 80)
+    finally:
+        faults.restore_link(direction)
+    assert "known: dc-a->dc-b" in pdd_fault("cut", "dc-c->dc-b", exit_code=1)
+    assert "no link emulator receives in 'dc-z'" in pdd_fault("stall", "dc-a->dc-z", "3", exit_code=1)
+    assert "a link direction reads like dc-a->dc-b, not 'dc-b'" in pdd_fault("cut", "dc-b", exit_code=1)
+    assert "--bandwidth-mbps" in pdd_fault("slow", direction, exit_code=2)
+
+
 def test_stalled_wan_is_bounded_by_the_transfer_timeout(app, faults):
-    faults.stall_link("dc-a->dc-b", 3)
+    assert pdd_fault("stall", "dc-a->dc-b", "3") == "dc-a->dc-b stalled for 3 s"
     text, journey = completion(app, fresh(2400), 60)
     assert journey["completion_tokens"] == 60
     assert leases_back_to_zero(app)
@@ -276,6 +305,10 @@ def test_conductor_restart(app, faults):
 def restart_conductor_and_wait(app, faults, main_decoders: int = 2, timeout_s: float = 120, forget_index: bool = False) -> None:
     """A new conductor (its index empty with `forget_index`) that sees every main decoder and has nothing in flight."""
     faults.restart_conductor(forget_index)
+    wait_new_conductor(app, main_decoders, timeout_s)
+
+
+def wait_new_conductor(app, main_decoders: int = 2, timeout_s: float = 120) -> None:
     app.wait_running()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -355,7 +388,8 @@ def test_a_new_conductor_starts_from_the_index_the_last_one_saved(app, faults):
         app.set_user_config("Conductor", {"routing": app.args["routing"], "handoff": app.args["handoff"]})
     assert wait_backlog_drained(app)
     wait_index_saved(app)
-    restart_conductor_and_wait(app, faults)
+    assert pdd_fault("restart-conductor").endswith("; Serve starts another, from the saved prefix index")
+    wait_new_conductor(app)
     for prompt, before in zip(conversations, first):
         wait_decoders_idle(app)
         _, journey = completion(app, prompt + fresh(40), 4)
