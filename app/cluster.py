@@ -187,7 +187,8 @@ def recorded_address() -> str | None:
 @contextmanager
 def connected(address: str | None = None) -> Iterator[None]:
     """This process connected to a running cluster (`address`, or the one `up` last started
-    here) for the block; one already connected stays so."""
+    here) for the block; one already connected stays so. Enter it before importing Ray:
+    Ray reads its auth mode as it is imported."""
     os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
     import ray
 

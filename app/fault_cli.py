@@ -4,6 +4,7 @@ expire prefill's KV leases. Each says what it did; `pdd status` shows the effect
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -29,15 +30,20 @@ class Target(str, Enum):
 def _inject(app_name: str, address: str | None, fault: Callable[[Any], str]) -> None:
     """Connect, run `fault` on a Faults of the app, print what it says; a failure is one red line."""
     from app.cluster import connected
-    from app.faults import Faults
 
+    serve_logger = logging.getLogger("ray.serve")
+    was_disabled, serve_logger.disabled = serve_logger.disabled, True  # its handles' chatter, not ours (Serve resets its level)
     try:
         with connected(address):
+            from app.faults import Faults  # imports Ray: only once connected() has set its auth mode
+
             said = fault(Faults(app_name))
     except Exception as exc:  # noqa: BLE001 - Ray wraps the cause (a replica's ValueError) in its own type
         cause = getattr(exc, "cause", None) or exc
         console.print(f"[red]{type(cause).__name__}: {cause}[/red]")
         raise typer.Exit(1) from None
+    finally:
+        serve_logger.disabled = was_disabled
     console.print(said)
 
 
