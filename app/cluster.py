@@ -187,17 +187,17 @@ def recorded_address() -> str | None:
 @contextmanager
 def connected(address: str | None = None) -> Iterator[None]:
     """This process connected to a running cluster (`address`, or the one `up` last started
-    here) for the block; one already connected stays so. Enter it before importing Ray:
-    Ray reads its auth mode as it is imported."""
+    here) for the block; already connected to that one, it stays so. Enter it before
+    importing Ray: Ray reads its auth mode as it is imported."""
     os.environ.setdefault("RAY_AUTH_MODE", CLUSTER_ENV["RAY_AUTH_MODE"])  # read when Ray is imported
     import ray
 
-    if ray.is_initialized():
-        yield
-        return
     address = address or recorded_address()
     if address is None:
         raise ConnectionError("no Ray cluster recorded by `pdd run` on this machine: pass --address")
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == address:
+        yield
+        return
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
         yield

@@ -243,8 +243,10 @@ def test_wan_outage(app, faults):
 
 
 def pdd_fault(*args: str, exit_code: int = 0) -> str:
-    """`pdd fault ARGS` against the test app (this process is already connected to its cluster)."""
-    result = CliRunner().invoke(pdd, ["fault", *args, "--app-name", APP], env={"COLUMNS": "200"})
+    """`pdd fault ARGS` against the test app, through the connection this process already has to its cluster."""
+    import ray
+
+    result = CliRunner().invoke(pdd, ["fault", *args, "--app-name", APP, "--address", ray.get_runtime_context().gcs_address], env={"COLUMNS": "200"})
     assert result.exit_code == exit_code, result.output
     return " ".join(result.output.split())
 

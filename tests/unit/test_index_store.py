@@ -13,13 +13,16 @@ from tests.unit.test_conductor import ScriptedEngines, conductor, tokenizer  # n
 
 @pytest.fixture(scope="module")
 def gcs():
+    if ray.is_initialized():  # the integration tests' cluster, in a whole-suite run
+        yield
+        return
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
 def test_each_apps_replicas_are_saved_loaded_and_forgotten(gcs):
-    store, other_app = IndexStore("pdd"), IndexStore("pdd-2")
+    store, other_app = IndexStore("unit-store"), IndexStore("unit-store-2")
     store.save("md-0", ReplicaSnapshot(32, 1000, [3, 1, 2]))
     store.save("md-1", ReplicaSnapshot(32, 500, [7]))
     store.save("md-1", ReplicaSnapshot(32, 500, [7, 8]))  # a later save replaces the earlier
