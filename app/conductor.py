@@ -9,7 +9,6 @@ here; the PDD relay/handoff machinery is in app/relay.py.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,7 +22,7 @@ from app import metrics
 from app.config import LinkConfig, LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
-from app.index_store import SAVE_INTERVAL_S, IndexStore, ReplicaSnapshot
+from app.index_store import IndexKeeper, IndexStore
 from app.journal import Journal, Journey, Transfer, slo_summary
 from app.kv.link import LinkShare
 from app.kv.params import LEASE, PRODUCE, PULL
@@ -36,8 +35,6 @@ from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, Samplin
 
 if TYPE_CHECKING:
     from app.link_directory import LinkDirectory
-
-logger = logging.getLogger(__name__)
 
 
 def note_failover(journey: Journey, failed: tuple[RoleName, ReplicaInfo], target: tuple[RoleName, ReplicaInfo], at_token: int, error: Exception) -> None:
@@ -147,65 +144,14 @@ class Conductor:
         """MD warm-ups in flight: replica id -> last prompt block key -> task."""
         self.background: set[asyncio.Task] = set()
         """Engine work that outlives its request (an MD warm-up after the relay finished)."""
-        self.index_store = index_store
-        """Where the index is saved for the next conductor (None: not saved)."""
-        self._saved_changes: dict[str, int] = {}
-        """Replica id -> its index entry's change count when last saved."""
-        self.index_saved_at: float | None = None
-        self._index_saver: asyncio.Task | None = None
-        self._index_saving = asyncio.Lock()
-        """Held by each save round: forget_saved_index waits for the one in flight."""
-        if index_store is not None:
-            self._restore_index()
-
-    def _restore_index(self) -> None:
-        """Start from the index the last conductor saved; from an empty one if none can be read."""
-        try:
-            saved = self.index_store.load(self.config.model.block_size)
-        except Exception:  # noqa: BLE001 - the GCS unreachable: routing still works, blind for a turn
-            logger.warning("could not read the saved prefix index; starting from an empty one", exc_info=True)
-            return
-        for replica_id, snapshot in saved.items():
-            self.index.restore(replica_id, snapshot.capacity_blocks, snapshot.held)
-            self._saved_changes[replica_id] = self.index.changes(replica_id)
-        if saved:
-            logger.info("prefix index restored: %s", {rid: len(s.held) for rid, s in saved.items()})
-
-    def _keep_index_saved(self) -> None:
-        if self.index_store is not None and self._index_saver is None:
-            self._index_saver = asyncio.create_task(self._save_index_forever())
-
-    async def _save_index_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SAVE_INTERVAL_S)
-            try:
-                await self.save_index()
-            except Exception:  # noqa: BLE001 - the next round tries again
-                logger.warning("saving the prefix index failed", exc_info=True)
+        self.index_keeper = IndexKeeper(index_store, engines.live_replica_ids) if index_store is not None else None
+        """Saves the index for the next conductor (None: not saved)."""
+        if self.index_keeper is not None:
+            self.index_keeper.restore(self.index)
 
     async def save_index(self) -> None:
-        """Save each replica whose confirmed blocks changed since its last save, and forget
-        the replicas Serve no longer routes to (dead, scaled away), here and in the store."""
-        async with self._index_saving:
-            if self.index_store is not None:
-                await self._save_changed()
-
-    async def _save_changed(self) -> None:
-        index = self.index
-        live = self.engines.live_replica_ids()
-        if live is not None:
-            index.forget_all_but(live)
-        known = set(index.known_replicas())
-        for replica_id in [rid for rid in self._saved_changes if rid not in known]:
-            await asyncio.to_thread(self.index_store.delete, replica_id)
-            self._saved_changes.pop(replica_id, None)
-        for replica_id in known:
-            changes = index.changes(replica_id)
-            if self._saved_changes.get(replica_id) != changes:
-                capacity, held = index.snapshot(replica_id)
-                await asyncio.to_thread(self.index_store.save, replica_id, ReplicaSnapshot(index.block_size, capacity, held))
-                self._saved_changes[replica_id] = changes
-        self.index_saved_at = time.time()
+        if self.index_keeper is not None:
+            await self.index_keeper.save(self.index)
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         self.knobs = knobs
@@ -213,7 +159,8 @@ class Conductor:
             metrics.registry().set(metrics.KNOB, value, knob=name)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        self._keep_index_saved()
+        if self.index_keeper is not None:
+            self.index_keeper.keep_saved(lambda: self.index)
         journey = self.journal.add(
             Journey(
                 request_id=req.request_id,
@@ -305,21 +252,19 @@ class Conductor:
     async def reset_prefix_caches(self) -> None:
         """Cold caches everywhere (benchmarks compare modes from the same start)."""
         await self.engines.reset_prefix_caches()
-        async with self._index_saving:  # between saves: the store is left holding the new, empty index
+
+        def empty_index() -> None:
             self.index = PrefixIndex(self.config.model.block_size)
-            if self.index_store is not None:
-                await asyncio.to_thread(self.index_store.clear)
-                self._saved_changes.clear()
+
+        if self.index_keeper is None:
+            empty_index()
+        else:
+            await self.index_keeper.replace(empty_index)
 
     async def forget_saved_index(self) -> None:
-        """Clear the saved index and save no more: the next conductor starts from an empty
-        one (fault injection: a conductor lost with the GCS's store)."""
-        store, self.index_store = self.index_store, None
-        if self._index_saver is not None:
-            self._index_saver.cancel()
-        async with self._index_saving:  # a save already in the GCS's queue lands before the clear
-            if store is not None:
-                await asyncio.to_thread(store.clear)
+        """The next conductor starts from an empty prefix index (IndexKeeper.forget)."""
+        if self.index_keeper is not None:
+            await self.index_keeper.forget()
 
     def _count_in_flight(self, delta: int) -> None:
         self.in_flight += delta
@@ -356,7 +301,7 @@ class Conductor:
                 for name, counters in (await self.links.counters()).items()
             },
             "in_flight": self.in_flight,
-            "prefix_index_saved_at": self.index_saved_at,
+            "prefix_index_saved_at": self.index_keeper.saved_at if self.index_keeper is not None else None,
             "slo": {"targets": cfg.slo.model_dump(mode="json"), "recent": slo_summary(self.journal.recent(self.journal.capacity), cfg.slo, cfg.slo.window_s)},
         }
 

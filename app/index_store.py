@@ -16,9 +16,14 @@ node's restart too. Its calls block: the conductor makes them from a thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import msgspec
+
+from app.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +84,84 @@ class IndexStore:
         from ray.experimental import internal_kv
 
         internal_kv._internal_kv_del(self.prefix, del_by_prefix=True, namespace=NAMESPACE)
+
+
+class IndexKeeper:
+    """Keeps a conductor's prefix index saved in an IndexStore, and restores it."""
+
+    def __init__(self, store: IndexStore, live_replica_ids: Callable[[], set[str] | None]):
+        self.store: IndexStore | None = store
+        """None once forgotten: nothing more is saved."""
+        self._live_replica_ids = live_replica_ids
+        self._saved_changes: dict[str, int] = {}
+        """Replica id -> its index entry's change count when last saved."""
+        self.saved_at: float | None = None
+        self._saver: asyncio.Task | None = None
+        self._saving = asyncio.Lock()
+        """Held by each save round: `forget` and `replace` wait for the one in flight."""
+
+    def restore(self, index: PrefixIndex) -> None:
+        """Fill `index` with what the last conductor saved; leave it empty if that cannot be read."""
+        try:
+            saved = self.store.load(index.block_size)
+        except Exception:  # noqa: BLE001 - the GCS unreachable: routing still works, blind for a turn
+            logger.warning("could not read the saved prefix index; starting from an empty one", exc_info=True)
+            return
+        for replica_id, snapshot in saved.items():
+            index.restore(replica_id, snapshot.capacity_blocks, snapshot.held)
+            self._saved_changes[replica_id] = index.changes(replica_id)
+        if saved:
+            logger.info("prefix index restored: %s", {rid: len(s.held) for rid, s in saved.items()})
+
+    def keep_saved(self, current: Callable[[], PrefixIndex]) -> None:
+        """Save `current()` every SAVE_INTERVAL_S from now on (once started, further calls do nothing)."""
+        if self._saver is None and self.store is not None:
+            self._saver = asyncio.create_task(self._save_forever(current))
+
+    async def _save_forever(self, current: Callable[[], PrefixIndex]) -> None:
+        while True:
+            await asyncio.sleep(SAVE_INTERVAL_S)
+            try:
+                await self.save(current())
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.warning("saving the prefix index failed", exc_info=True)
+
+    async def save(self, index: PrefixIndex) -> None:
+        """Save each replica whose confirmed blocks changed since its last save, and forget
+        the replicas Serve no longer routes to (dead, scaled away), in the index and the store."""
+        async with self._saving:
+            if self.store is None:
+                return
+            live = self._live_replica_ids()
+            if live is not None:
+                index.forget_all_but(live)
+            known = set(index.known_replicas())
+            for replica_id in [rid for rid in self._saved_changes if rid not in known]:
+                await asyncio.to_thread(self.store.delete, replica_id)
+                self._saved_changes.pop(replica_id, None)
+            for replica_id in known:
+                changes = index.changes(replica_id)
+                if self._saved_changes.get(replica_id) != changes:
+                    capacity, held = index.snapshot(replica_id)
+                    await asyncio.to_thread(self.store.save, replica_id, ReplicaSnapshot(index.block_size, capacity, held))
+                    self._saved_changes[replica_id] = changes
+            self.saved_at = time.time()
+
+    async def replace(self, swap: Callable[[], None]) -> None:
+        """Run `swap` (the conductor's index replaced by an empty one) between saves, and
+        clear the store: it is left holding the new, empty index."""
+        async with self._saving:
+            swap()
+            if self.store is not None:
+                await asyncio.to_thread(self.store.clear)
+                self._saved_changes.clear()
+
+    async def forget(self) -> None:
+        """Clear the store and save no more: the next conductor starts from an empty index
+        (fault injection: a conductor lost with the GCS's store)."""
+        store, self.store = self.store, None
+        if self._saver is not None:
+            self._saver.cancel()
+        async with self._saving:  # a save already in the GCS's queue lands before the clear
+            if store is not None:
+                await asyncio.to_thread(store.clear)

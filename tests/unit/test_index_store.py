@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from app.conductor import Conductor
-from app.index_store import IndexStore, ReplicaSnapshot
+from app.index_store import IndexKeeper, IndexStore, ReplicaSnapshot
 from tests.unit.test_conductor import ScriptedEngines, conductor, tokenizer  # noqa: F401 - fixtures
 
 
@@ -39,7 +39,7 @@ def test_each_apps_replicas_are_saved_loaded_and_forgotten(gcs):
 async def test_a_conductor_saves_what_changed_and_the_next_one_starts_from_it(gcs, conductor):
     """md-0 is the scripted engines' one live replica; md-gone is no longer routed to."""
     store = IndexStore("unit-conductor")
-    conductor.index_store = store
+    conductor.index_keeper = IndexKeeper(store, conductor.engines.live_replica_ids)
     keys = conductor.index.keys(list(range(10, 10 + 96)))
     conductor.index.record("md-0", keys, 1000)
     conductor.index.record("md-gone", keys, 1000)
@@ -58,7 +58,7 @@ async def test_a_forgotten_index_stays_forgotten_even_with_a_save_in_flight(gcs,
     store = IndexStore("unit-forget")
     slow_save = store.save
     store.save = lambda *args: (time.sleep(0.3), slow_save(*args))
-    conductor.index_store = store
+    conductor.index_keeper = IndexKeeper(store, conductor.engines.live_replica_ids)
     conductor.index.record("md-0", conductor.index.keys(list(range(64))), 1000)
     saving = asyncio.create_task(conductor.save_index())
     await asyncio.sleep(0.05)  # the save is in its thread
