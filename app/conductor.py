@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
@@ -22,6 +21,7 @@ from app import metrics
 from app.config import LinkConfig, LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
+from app.generation import ENGINE_FAILURES, EngineError, GenerationRequest, Output, PrefillUnavailable, RequestTimeout, Tokens, check, note_failover
 from app.index_store import IndexKeeper, IndexStore
 from app.journal import Journal, Journey, Transfer, slo_summary
 from app.kv.link import LinkShare
@@ -31,29 +31,10 @@ from app.policy import LinkBacklog, Pipeline, affinity_room
 from app.prefix_index import PrefixIndex
 from app.relay import pdd_pipeline
 from app.textstream import TextAssembler
-from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
+from app.token_channel import EngineDelta, EngineRequest, TokenLogprob
 
 if TYPE_CHECKING:
     from app.link_directory import LinkDirectory
-
-
-def note_failover(journey: Journey, failed: tuple[RoleName, ReplicaInfo], target: tuple[RoleName, ReplicaInfo], at_token: int, error: Exception) -> None:
-    """A request moved mid-stream off a failed engine: in its journey and the metrics."""
-    journey.failovers.append({"from_role": failed[0].value, "from_replica": failed[1].replica_id, "to_role": target[0].value,
-                              "to_replica": target[1].replica_id, "at_token": at_token, "error": str(error)})
-    metrics.registry().inc(metrics.FAILOVERS, from_role=failed[0].value, to_role=target[0].value)
-
-
-class EngineError(RuntimeError):
-    """An engine reported a failure for this request."""
-
-
-class RequestTimeout(RuntimeError):
-    """The request ran past server.request_timeout_s."""
-
-
-class PrefillUnavailable(RuntimeError):
-    """No prefill replica could compute the prompt."""
 
 
 #: Where a request goes when its engine dies mid-stream: the same role first.
@@ -62,47 +43,6 @@ FAILOVER_ORDER = {
     RoleName.relay_decode: (RoleName.relay_decode, RoleName.main_decode, RoleName.prefill),
     RoleName.prefill: (RoleName.prefill, RoleName.main_decode, RoleName.relay_decode),
 }
-ENGINE_FAILURES = (ChannelClosed, EngineError)
-
-
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingOptions
-    stop: list[str]
-    mode: Mode
-
-
-@dataclass
-class Output:
-    """What the ingress sends on: new text, and on the last one the finish reason."""
-
-    text: str
-    completion_tokens: int
-    """Tokens produced so far (usage)."""
-    finish_reason: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    """The tokens since the previous Output (text may lag them: stop strings)."""
-    logprobs: list[TokenLogprob] | None = None
-    """Those tokens' log probabilities, when the request asked for them."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """On the first Output, when the request asked for them: the prompt's tokens' after the first."""
-
-
-@dataclass
-class Tokens:
-    """Tokens from one engine, in client order."""
-
-    token_ids: list[int]
-    role: RoleName
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    """One per token, when the request asked for them (from the engine that sampled it)."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """From the engine that computed the prompt, with the first token, when the request asked for them."""
-
-
 def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
     """Live knobs as dotted paths with numeric values (e.g. routing.max_wan_transfer_ms)."""
     flat: dict[str, float] = {}
@@ -116,12 +56,6 @@ def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
 
     walk("", knobs.model_dump(mode="json"))
     return flat
-
-
-def check(delta: EngineDelta, role: RoleName) -> EngineDelta:
-    if delta.error:
-        raise EngineError(f"{role.value} engine failed: {delta.error}")
-    return delta
 
 
 class Conductor:

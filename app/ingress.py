@@ -26,7 +26,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
-from app.conductor import Conductor, EngineError, GenerationRequest, Output, RequestTimeout
+from app.conductor import Conductor
+from app.generation import EngineError, GenerationRequest, Output, RequestTimeout
 from app.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from app.conductor import EngineError
+from app.generation import EngineError
 from app.kv.link import direction_name
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from app import metrics
 from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import NoReplicaError
+from app.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
 from app.journal import Journey
 from app.kv.link import direction_name
 from app.kv.params import LEASE
@@ -49,7 +50,7 @@ from app.policy import (
 from app.token_channel import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
-    from app.conductor import Conductor, GenerationRequest, Tokens
+    from app.conductor import Conductor
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,7 @@ async def rld_load(c: "Conductor") -> tuple[ReplicaInfo | None, float]:
     return best, occupancy(c, RoleName.relay_decode, best)
 
 
-async def pdd_pipeline(c: "Conductor", req: "GenerationRequest", journey: Journey) -> AsyncIterator["Tokens"]:
-    from app.conductor import Tokens
-
+async def pdd_pipeline(c: "Conductor", req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
     keys = c.index.keys(req.prompt_token_ids)
     try:
         md, md_cached = await c.route(RoleName.main_decode, keys, journey)
@@ -152,7 +151,7 @@ class Relay:
     def __init__(
         self,
         c: "Conductor",
-        req: "GenerationRequest",
+        req: GenerationRequest,
         journey: Journey,
         md: ReplicaInfo,
         relay_role: RoleName,
@@ -204,17 +203,13 @@ class Relay:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the relay failed: P relays on, or MD takes over early
-            from app.conductor import ENGINE_FAILURES
-
             if isinstance(exc, ENGINE_FAILURES):  # the next requests do not try it while Serve replaces it
                 self.c.engines.suspect(self.relay.replica_id)
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(_END)
 
-    async def run(self) -> AsyncIterator["Tokens"]:
-        from app.conductor import Tokens
-
+    async def run(self) -> AsyncIterator[Tokens]:
         c, req = self.c, self.req
         if self.relay_role is RoleName.relay_decode:
             relay_request = EngineRequest(
@@ -344,8 +339,6 @@ class Relay:
     def _relay_on_prefill(self, failure: Exception) -> bool:
         """RLD failed mid-relay: the prefill replica takes the relay over from the tokens sent
         (as P-P-MD's relay), so the stream does not wait for MD's pull. True if it does."""
-        from app.conductor import note_failover
-
         if not self.c.knobs.routing.prefill_relays:
             return False
         note_failover(self.journey, (self.relay_role, self.relay), (RoleName.prefill, self.prefill), len(self.out), failure)

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from app.conductor import Conductor, EngineError, GenerationRequest
+from app.conductor import Conductor
+from app.generation import EngineError, GenerationRequest
 from app.config import Mode, PDDConfig, RoleName
 from app.devmodel import ensure_devmodel
 from app.engine import ReplicaInfo
