@@ -3,7 +3,8 @@
 Which role a situation asks for:
 - TTFT breach: prefill (TTFT is P's queue plus prefill);
 - TPOT breach: main decode, or relay decode when relayed requests are the slow
-  ones and RLD is busy;
+  ones and RLD is busy; neither when only relayed requests are slow and both
+  decoders are idle (a notice says why: the relay's pull and the handoff);
 - RLD overload: relay decode;
 - MD hit behind P, when singular traffic does not explain it: main decode
   (more prefix cache);
@@ -46,7 +47,7 @@ from agents.diagnose import (
     Evidence,
     Situation,
 )
-from agents.knobs import replica_target
+from agents.knobs import notice_target, replica_target
 from agents.proposal import Proposal
 from agents.specialists.base import View
 from agents.specialists.routing import MIN_HIT, SINGULAR_SHARE_MIN
@@ -56,6 +57,8 @@ from app.config import RoleName
 NAME = "capacity"
 #: A scale-down must leave the predicted SLO score at or below this.
 DOWN_MARGIN = 0.8
+#: A decoder this loaded (requests per batch slot) counts as busy: RLD overload's exit threshold.
+DECODER_BUSY = RLD_LOAD[1]
 
 
 def _cost(view: View, role: RoleName) -> float:
@@ -74,10 +77,7 @@ def _role_for(view: View, s: Situation) -> RoleName | None:
     if s.name == RLD_OVERLOAD:
         return RoleName.relay_decode
     if s.name == TPOT_BREACH:
-        rld = f.role_load(view.snap, view.config, RoleName.relay_decode)
-        if f.worst_tpot_pipeline(view.snap) == f.P_RLD_MD and rld is not None and rld >= RLD_LOAD[1]:
-            return RoleName.relay_decode
-        return RoleName.main_decode
+        return _decoder_for_tpot(view)
     if s.name == MD_HIT_BEHIND:
         share = f.singular_share(view.snap)
         return RoleName.main_decode if share is None or share < SINGULAR_SHARE_MIN else None
@@ -85,6 +85,38 @@ def _role_for(view: View, s: Situation) -> RoleName | None:
         at_edge = (view.knob(MIN_HIT) or 0.0) >= f.VALLEY[1] - 1e-9
         return RoleName.main_decode if at_edge else None
     return None
+
+
+def _busy(view: View, role: RoleName) -> bool:
+    load = f.role_load(view.snap, view.config, role)
+    return load is not None and load >= DECODER_BUSY
+
+
+def _decoder_for_tpot(view: View) -> RoleName | None:
+    """The decoder a TPOT breach asks for. None when only relayed requests (P-RLD-MD) are slow
+    while MD's own (P-MD) meet the target and neither decoder is busy: a relayed request's tokens
+    also wait for the relay's KV pull after the first token and for the handoff, which another
+    replica would not shorten (short relayed requests breach this way on an idle cluster)."""
+    if f.worst_tpot_pipeline(view.snap) != f.P_RLD_MD:
+        return RoleName.main_decode
+    if _busy(view, RoleName.relay_decode):
+        return RoleName.relay_decode
+    md_tpot = view.snap.tpot_p_by_pipeline.get(f.P_MD)
+    if _busy(view, RoleName.main_decode) or (md_tpot is not None and md_tpot * 1000 >= view.config.slo.tpot_ms):
+        return RoleName.main_decode
+    return None
+
+
+def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
+    per = view.snap.tpot_p_by_pipeline
+    md = per.get(f.P_MD)
+    md_text = f"P-MD {md * 1000:.0f} ms" if md is not None else "no P-MD requests"
+    return view.propose(
+        NAME, s, notice_target(s.key), None, s.summary,
+        f"only relayed requests are slow (P-RLD-MD {per[f.P_RLD_MD] * 1000:.0f} ms, {md_text}) and neither decoder is busy: "
+        "their tokens wait for the relay's KV pull and the handoff, which a replica more would not shorten; a person checks",
+        "a person follows runbooks/" + s.name + ".md",
+    )
 
 
 def _can_grow(view: View, role: RoleName, frozen: set[RoleName]) -> bool:
@@ -231,6 +263,8 @@ def propose(view: View) -> list[Proposal]:
         else:
             role = _role_for(view, s)
             plan = _up(view, s, role, frozen) if role is not None else []
+            if role is None and s.name == TPOT_BREACH:
+                plan = [_relayed_tpot_notice(view, s)]
         if plan:
             return plan
     return []

@@ -197,6 +197,22 @@ def test_capacity_at_max_replicas_leaves_a_notice():
     assert [(p.specialist, p.change.target) for p in proposals] == [("clerk", "notice.ttft_slo_breach")]
 
 
+RELAYED_SLOW = dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.05, "P-RLD-MD": 0.45})
+
+
+@pytest.mark.parametrize("fields, target", [
+    ({}, "notice.tpot_slo_breach"),  # both decoders idle, P-MD within target: no replica helps
+    ({"tpot_p_by_pipeline": {"P-MD": 0.3, "P-RLD-MD": 0.45}}, "replicas.main_decode"),  # MD's own requests slow too
+    ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 100.0}}, "replicas.main_decode"),  # MD busy
+    ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 50.0, "MainDecode": 80.0}}, "replicas.relay_decode"),  # RLD busy
+])
+def test_a_tpot_breach_in_relayed_requests_grows_only_a_busy_or_slow_decoder(fields, target):
+    proposals = propose_all(healthy_snapshot(**{**RELAYED_SLOW, **fields}))
+    assert [(p.specialist, p.change.target) for p in proposals] == [("capacity", target)]
+    if target.startswith("notice."):
+        assert "only relayed requests are slow (P-RLD-MD 450 ms, P-MD 50 ms)" in proposals[0].reason
+
+
 def test_capacity_freezes_a_crashing_role():
     snap = healthy_snapshot(**{**CASES["tpot_slo_breach"], **CASES["replica_crash"]})
     assert not [p for p in propose_all(snap) if p.specialist == "capacity"]
