@@ -36,6 +36,11 @@ SUSPECT_S = 30.0
 #: died): unbounded, routing would wait for the datacenter to come back.
 DESCRIBE_TIMEOUT_S = 10.0
 
+#: How long a role the request can do without (`wait=False`: the relay) waits for a fresh
+#: conductor's first look at it: a live replica answers in milliseconds, while a role whose
+#: replicas are dead would hold the request for DESCRIBE_TIMEOUT_S.
+FIRST_LOOK_WAIT_S = 1.0
+
 #: How long reset_prefix_caches waits for busy replicas to free their blocks, and how often it asks.
 RESET_TIMEOUT_S = 120.0
 RESET_RETRY_S = 0.2
@@ -49,6 +54,8 @@ class EngineClient:
         self._suspect: dict[str, float] = {}
         self._describing: dict[str, asyncio.Task] = {}
         """Replica id -> its description in flight, which every caller shares."""
+        self._first_look: dict[RoleName, asyncio.Task] = {}
+        """Role -> the call that builds its Serve router, which every caller shares."""
 
     def roles(self) -> list[RoleName]:
         return list(self._handles)
@@ -61,13 +68,19 @@ class EngineClient:
         replica to offer, and only if `wait`: a role the request can do without (the
         relay) is then "none now" rather than a wait of up to DESCRIBE_TIMEOUT_S, which a
         replica that died before it was described would cost every request meanwhile.
-        One that does not answer is left out of routing for SUSPECT_S."""
+        One that does not answer is left out of routing for SUSPECT_S. A fresh conductor's
+        first look at a role (the call that builds its Serve router) is shared by every
+        request, and without `wait` lasts at most FIRST_LOOK_WAIT_S."""
         name = DEPLOYMENT_NAMES[role]
         live = live_replicas(name)
         if live is None:  # the router is built on first use; one call builds it
-            info = await self._describe(role)
-            if info is not None:
-                self._replicas[info.replica_id] = info
+            look = self._first_look.get(role)
+            if look is None:
+                look = self._first_look[role] = asyncio.create_task(self._look(role))
+            done, _ = await asyncio.wait({look}, timeout=None if wait else FIRST_LOOK_WAIT_S)
+            if not done:
+                return []
+            info = look.result()
             live = live_replicas(name) or (frozenset({info.replica_id}) if info is not None else frozenset())
         for rid in [r for r in self._channels if r not in live and r in self._replicas and self._replicas[r].role == role.value]:
             await self._channels.pop(rid).close()
@@ -87,6 +100,15 @@ class EngineClient:
     def _healthy(self, live: frozenset[str]) -> list[ReplicaInfo]:
         now = time.monotonic()
         return [self._replicas[rid] for rid in sorted(live) if rid in self._replicas and self._suspect.get(rid, 0) <= now]
+
+    async def _look(self, role: RoleName) -> ReplicaInfo | None:
+        try:
+            info = await self._describe(role)
+            if info is not None:
+                self._replicas[info.replica_id] = info
+            return info
+        finally:
+            self._first_look.pop(role, None)
 
     def _description(self, role: RoleName, replica_id: str) -> asyncio.Task:
         task = self._describing.get(replica_id)

@@ -121,6 +121,26 @@ def test_a_role_the_request_can_do_without_does_not_wait_for_a_description(route
     assert found == [] and time.monotonic() - t0 < 0.1 and handle.describe.calls == 1
 
 
+@pytest.mark.parametrize("alive", [["md-1"], []])
+def test_a_fresh_conductor_looks_at_a_role_it_can_do_without_briefly(router_state, monkeypatch, alive):
+    monkeypatch.setattr(app.engine_client, "DESCRIBE_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(app.engine_client, "FIRST_LOOK_WAIT_S", 0.1)
+    handle = _Handle(alive=alive)  # the router is not built yet
+    client = EngineClient({RoleName.main_decode: handle})
+
+    async def first_requests() -> tuple[list[list[ReplicaInfo]], float]:
+        t0 = time.monotonic()
+        found = await asyncio.gather(*(client.replicas(RoleName.main_decode, wait=False) for _ in range(3)))
+        elapsed = time.monotonic() - t0
+        for task in list(client._first_look.values()):
+            task.cancel()
+        return found, elapsed
+
+    found, elapsed = asyncio.run(first_requests())
+    assert [[i.replica_id for i in f] for f in found] == [alive] * 3  # a live relay is found at once
+    assert elapsed < 1 and handle.describe.calls == 1  # a dead one costs the requests a short look, together
+
+
 class _Reset:
     """A stand-in for `reset_prefix_cache`: vLLM refuses while blocks are in use,
     here for a replica's first `busy_calls` calls."""
