@@ -180,3 +180,5 @@ def worst_tpot_pipeline(snap: Snapshot) -> str | None:
 
 P_MD = Pipeline.p_md.value
 P_RLD_MD = Pipeline.p_rld_md.value
+#: Pipelines whose tokens after the first come from a relay (RLD, or P while no RLD is alive).
+RELAYED = (P_RLD_MD, Pipeline.p_rld.value, Pipeline.p_p_md.value)

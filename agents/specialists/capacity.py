@@ -2,8 +2,8 @@
 
 Which role a situation asks for:
 - TTFT breach: prefill (TTFT is P's queue plus prefill);
-- TPOT breach: main decode, or relay decode when relayed requests are the slow
-  ones and RLD is busy; neither when only relayed requests are slow and both
+- TPOT breach: main decode, or relay decode when relayed requests (P-RLD-MD,
+  P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed requests are slow and both
   decoders are idle (a notice says why: the relay's pull and the handoff);
 - RLD overload: relay decode;
 - MD hit behind P, when singular traffic does not explain it: main decode
@@ -93,11 +93,11 @@ def _busy(view: View, role: RoleName) -> bool:
 
 
 def _decoder_for_tpot(view: View) -> RoleName | None:
-    """The decoder a TPOT breach asks for. None when only relayed requests (P-RLD-MD) are slow
+    """The decoder a TPOT breach asks for. None when only relayed requests (f.RELAYED) are slow
     while MD's own (P-MD) meet the target and neither decoder is busy: a relayed request's tokens
     also wait for the relay's KV pull after the first token and for the handoff, which another
     replica would not shorten (short relayed requests breach this way on an idle cluster)."""
-    if f.worst_tpot_pipeline(view.snap) != f.P_RLD_MD:
+    if f.worst_tpot_pipeline(view.snap) not in f.RELAYED:
         return RoleName.main_decode
     if _busy(view, RoleName.relay_decode):
         return RoleName.relay_decode
@@ -109,11 +109,12 @@ def _decoder_for_tpot(view: View) -> RoleName | None:
 
 def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
     per = view.snap.tpot_p_by_pipeline
+    worst = f.worst_tpot_pipeline(view.snap)
     md = per.get(f.P_MD)
     md_text = f"P-MD {md * 1000:.0f} ms" if md is not None else "no P-MD requests"
     return view.propose(
         NAME, s, notice_target(s.key), None, s.summary,
-        f"only relayed requests are slow (P-RLD-MD {per[f.P_RLD_MD] * 1000:.0f} ms, {md_text}) and neither decoder is busy: "
+        f"only relayed requests are slow ({worst} {per[worst] * 1000:.0f} ms, {md_text}) and neither decoder is busy: "
         "their tokens wait for the relay's KV pull and the handoff, which a replica more would not shorten; a person checks",
         "a person follows runbooks/" + s.name + ".md",
     )

@@ -205,12 +205,16 @@ RELAYED_SLOW = dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.05, "P-RLD-MD": 0
     ({"tpot_p_by_pipeline": {"P-MD": 0.3, "P-RLD-MD": 0.45}}, "replicas.main_decode"),  # MD's own requests slow too
     ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 100.0}}, "replicas.main_decode"),  # MD busy
     ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 50.0, "MainDecode": 80.0}}, "replicas.relay_decode"),  # RLD busy
+    ({"tpot_p_by_pipeline": {"P-MD": 0.05, "P-RLD-MD": 0.1, "P-RLD": 0.45}}, "notice.tpot_slo_breach"),  # singular: RLD alone
+    ({"tpot_p_by_pipeline": {"P-MD": 0.45, "P-RLD-MD": 0.1}}, "replicas.main_decode"),  # MD's own requests the slow ones
 ])
 def test_a_tpot_breach_in_relayed_requests_grows_only_a_busy_or_slow_decoder(fields, target):
     proposals = propose_all(healthy_snapshot(**{**RELAYED_SLOW, **fields}))
     assert [(p.specialist, p.change.target) for p in proposals] == [("capacity", target)]
     if target.startswith("notice."):
-        assert "only relayed requests are slow (P-RLD-MD 450 ms, P-MD 50 ms)" in proposals[0].reason
+        per = {**RELAYED_SLOW, **fields}["tpot_p_by_pipeline"]
+        worst = max(per, key=per.get)
+        assert f"only relayed requests are slow ({worst} 450 ms, P-MD 50 ms)" in proposals[0].reason
 
 
 def test_capacity_freezes_a_crashing_role():
