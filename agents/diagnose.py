@@ -66,6 +66,9 @@ VALLEY_GAP = (1.0, 0.8)
 """P-MD worst-gap p99 / the gap target: the valley only matters when it hurts."""
 SLO_RATIO = (1.0, 0.85)
 """Figure at the SLO percentile / target."""
+MIN_BREACH_REQUESTS = 3
+"""Requests over a target in the window without which its percentile is no breach: at a
+handful of requests a window's p90 is one slow request, and a replica would be bought for it."""
 LEASE_EXCESS = (1.0, 0.8)
 """Live leases / what traffic explains ((requests in the last lease timeout + in flight) x 1.5 + LEASE_SLACK)."""
 LEASE_SLACK = 16
@@ -233,13 +236,15 @@ class _Diagnosis:
             (TPOT_BREACH, self.snap.tpot_p, slo.tpot_ms, "tpot_p"),
         ):
             ratio = value * 1000 / target if value is not None else None
-            if self.past(name, ratio, SLO_RATIO):
+            over = self.snap.slo_violation_rate_by_slo.get(label[:4], 0.0) * self.snap.window_s
+            if self.past(name, ratio, SLO_RATIO) and over >= MIN_BREACH_REQUESTS - 1e-9:
                 by = label.replace("_p", "_p_by_pipeline")
                 per = getattr(self.snap, by)
                 self.add(name, f"{label[:4].upper()} p{slo.percentile:g} {value * 1000:.0f} ms over the {target:.0f} ms target", [
                     Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
                     *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
-                    Evidence(query=self.q("slo_violation_rate_by_slo"), value=self.snap.slo_violation_rate_by_slo.get(label[:4]), note="violations/s"),
+                    Evidence(query=f"{self.q('slo_violation_rate_by_slo')} x {self.snap.window_s:g} s", value=over,
+                             threshold=MIN_BREACH_REQUESTS, note="requests over the target in the window"),
                 ], severity=2, figure=ratio)
 
     def leases(self) -> None:

@@ -253,7 +253,9 @@ class LabelledPrometheus(PrometheusServer):
 
 
 def healthy_snapshot(at: float = 10_000.0, **fields: Any):
-    """What the queries return for HEALTHY, as a typed Snapshot (unit tests, twin-style)."""
+    """What the queries return for HEALTHY, as a typed Snapshot (unit tests, twin-style).
+    An objective whose percentile `fields` put over pdd_config's target has requests over it
+    (a fifth of the traffic), unless `fields` give slo_violation_rate_by_slo."""
     from agents.observe import Snapshot
 
     both = lambda v: {"P-MD": v, "P-RLD-MD": v}  # noqa: E731
@@ -288,6 +290,12 @@ def healthy_snapshot(at: float = 10_000.0, **fields: Any):
         health_check_failures_by_deployment={"Prefill": 0.0, "RelayDecode": 0.0, "MainDecode": 0.0, "Conductor": 0.0},
     )
     base.update(fields)
+    if "slo_violation_rate_by_slo" not in fields:
+        slo = pdd_config().slo
+        rate = sum(base["request_rate_by_pipeline"].values())
+        for name, figure, target in (("ttft", base["ttft_p"], slo.ttft_ms), ("tpot", base["tpot_p"], slo.tpot_ms), ("gap", base["gap_p"], slo.max_gap_ms)):
+            if figure is not None and figure * 1000 > target:
+                base["slo_violation_rate_by_slo"] = {**base["slo_violation_rate_by_slo"], name: rate / 5}
     return Snapshot(**base)
 
 

@@ -197,6 +197,17 @@ def test_capacity_at_max_replicas_leaves_a_notice():
     assert [(p.specialist, p.change.target) for p in proposals] == [("clerk", "notice.ttft_slo_breach")]
 
 
+@pytest.mark.parametrize("name", ["ttft_slo_breach", "tpot_slo_breach"])
+def test_a_percentile_over_target_from_a_handful_of_requests_is_no_breach(name):
+    objective = name[:4]
+    few = healthy_snapshot(**CASES[name], slo_violation_rate_by_slo={objective: 2 / 6})  # 2 requests in the 6 s window
+    assert situations_of(few) == [] and not propose_all(few)
+    enough = healthy_snapshot(**CASES[name], slo_violation_rate_by_slo={objective: 3 / 6})
+    [s] = situations_of(enough)
+    assert s.name == name
+    assert [e.value for e in s.evidence if e.note == "requests over the target in the window"] == [pytest.approx(3)]
+
+
 RELAYED_SLOW = dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.05, "P-RLD-MD": 0.45})
 
 
