@@ -3,8 +3,9 @@
 Which role a situation asks for:
 - TTFT breach: prefill (TTFT is P's queue plus prefill);
 - TPOT breach: main decode, or relay decode when relayed requests (P-RLD-MD,
-  P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed requests are slow and both
-  decoders are idle (a notice says why: the relay's pull and the handoff);
+  P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed
+  requests are slow and both decoders are idle (a notice says why: the
+  relay's pull and the handoff);
 - RLD overload: relay decode;
 - MD hit behind P, when singular traffic does not explain it: main decode
   (more prefix cache);
@@ -253,8 +254,10 @@ def _down(view: View, s: Situation, frozen: set[RoleName]) -> Proposal | None:
 
 
 def propose(view: View) -> list[Proposal]:
-    """At most one replica plan per tick (one change, or one move), for the most severe situation that asks for one."""
+    """At most one replica plan per tick (one change, or one move), for the most severe situation that asks for one;
+    and a notice for a TPOT breach no replica would ease."""
     frozen = _frozen(view)
+    notices = []
     for s in sorted(view.mine(NAME), key=lambda s: -s.severity):
         if s.name == OVER_PROVISIONED:
             down = _down(view, s, frozen)
@@ -265,7 +268,7 @@ def propose(view: View) -> list[Proposal]:
             role = _role_for(view, s)
             plan = _up(view, s, role, frozen) if role is not None else []
             if role is None and s.name == TPOT_BREACH:
-                plan = [_relayed_tpot_notice(view, s)]
+                notices.append(_relayed_tpot_notice(view, s))
         if plan:
-            return plan
-    return []
+            return notices + plan
+    return notices

@@ -197,6 +197,13 @@ def test_capacity_at_max_replicas_leaves_a_notice():
     assert [(p.specialist, p.change.target) for p in proposals] == [("clerk", "notice.ttft_slo_breach")]
 
 
+def test_a_tpot_notice_leaves_the_replica_to_a_situation_one_would_ease():
+    snap = healthy_snapshot(**RELAYED_SLOW, prefix_hit_by_role={"prefill": 0.9, "main_decode": 0.6})  # no singular traffic
+    got = [(p.specialist, p.situation, p.change.target) for p in propose_all(snap)]
+    assert ("capacity", "tpot_slo_breach", "notice.tpot_slo_breach") in got
+    assert ("capacity", "md_hit_behind", "replicas.main_decode") in got
+
+
 @pytest.mark.parametrize("name", ["ttft_slo_breach", "tpot_slo_breach"])
 def test_a_percentile_over_target_from_a_handful_of_requests_is_no_breach(name):
     objective = name[:4]
