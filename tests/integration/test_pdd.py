@@ -103,10 +103,16 @@ def stream_text(app, prompt, max_tokens) -> str:
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
-def assert_relayed_then_handed_over(journey, max_tokens):
-    assert journey["pipeline"] == "P-RLD-MD", journey["decision"]
+def assert_crossed_every_engine(journey) -> None:
+    """P's first token, RLD's relay, then MD; if not, the journey's account of why (a relay or MD
+    failure in the decision, an early handoff, a failover, the transfers' times)."""
     roles = [role for role, _ in journey["token_sources"]]
-    assert roles == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert journey["pipeline"] == "P-RLD-MD" and roles == ["prefill", "relay_decode", "main_decode"], {
+        key: journey[key] for key in ("pipeline", "token_sources", "decision", "handoff", "failovers", "transfers")}
+
+
+def assert_relayed_then_handed_over(journey, max_tokens):
+    assert_crossed_every_engine(journey)
     counts = dict((role, n) for role, n in journey["token_sources"])
     assert counts["prefill"] == 1
     handoff = journey["handoff"]
@@ -168,8 +174,7 @@ def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, kno
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt, penalties = fresh(LONG), {"frequency_penalty": 1.5, "presence_penalty": 0.5}
     relayed, journey = completion(app, prompt, 300, **penalties)
-    sources = [role for role, _ in journey["token_sources"]]
-    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert_crossed_every_engine(journey)
     assert relayed == completion(app, prompt, 300, mode="colocated", **penalties)[0]
     assert relayed != completion(app, prompt, 300, mode="colocated")[0]
 
@@ -183,8 +188,7 @@ def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
     bias = {str(t): -100 for t in common}
     app.handle("Conductor").reset_prefix_caches.remote().result()  # colocated ran on an MD: cold caches, as for a new prompt
     relayed, journey = completion(app, prompt, 200, logit_bias=bias)
-    sources = [role for role, _ in journey["token_sources"]]
-    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert_crossed_every_engine(journey)
     assert relayed == completion(app, prompt, 200, mode="colocated", logit_bias=bias)[0]
     assert relayed != plain.choices[0].text
 
@@ -203,8 +207,7 @@ def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(ap
 
     request_id, tokens, relayed, top = logprobs()
     journey = app.journey(request_id)
-    sources = [role for role, _ in journey["token_sources"]]
-    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert_crossed_every_engine(journey)
     _, single_tokens, single, single_top = logprobs(pdd_mode="colocated")
     assert tokens == single_tokens and len(relayed) == 200
     assert relayed == pytest.approx(single, abs=1e-3)
@@ -224,8 +227,7 @@ def test_an_echoed_prompt_is_scored_by_prefill_as_by_a_single_engine(app, knobs)
 
     request_id, relayed = scored()
     journey = app.journey(request_id)
-    sources = [role for role, _ in journey["token_sources"]]
-    assert journey["pipeline"] == "P-RLD-MD" and sources == ["prefill", "relay_decode", "main_decode"], journey["token_sources"]
+    assert_crossed_every_engine(journey)
     _, single = scored(pdd_mode="colocated")
     assert relayed.text == single.text and relayed.logprobs.tokens == single.logprobs.tokens
     assert len(relayed.logprobs.tokens) == len(prompt) + 200 and relayed.logprobs.token_logprobs[0] is None
