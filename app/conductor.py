@@ -43,6 +43,8 @@ FAILOVER_ORDER = {
     RoleName.relay_decode: (RoleName.relay_decode, RoleName.main_decode, RoleName.prefill),
     RoleName.prefill: (RoleName.prefill, RoleName.main_decode, RoleName.relay_decode),
 }
+
+
 def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
     """Live knobs as dotted paths with numeric values (e.g. routing.max_wan_transfer_ms)."""
     flat: dict[str, float] = {}
@@ -78,14 +80,12 @@ class Conductor:
         """MD warm-ups in flight: replica id -> last prompt block key -> task."""
         self.background: set[asyncio.Task] = set()
         """Engine work that outlives its request (an MD warm-up after the relay finished)."""
-        self.index_keeper = IndexKeeper(index_store, engines.live_replica_ids) if index_store is not None else None
-        """Saves the index for the next conductor (None: not saved)."""
-        if self.index_keeper is not None:
-            self.index_keeper.restore(self.index)
+        self.index_keeper = IndexKeeper(index_store, engines.live_replica_ids)
+        """Saves the index for the next conductor (without a store: nothing is saved)."""
+        self.index_keeper.restore(self.index)
 
     async def save_index(self) -> None:
-        if self.index_keeper is not None:
-            await self.index_keeper.save(self.index)
+        await self.index_keeper.save(self.index)
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         self.knobs = knobs
@@ -93,8 +93,7 @@ class Conductor:
             metrics.registry().set(metrics.KNOB, value, knob=name)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        if self.index_keeper is not None:
-            self.index_keeper.keep_saved(lambda: self.index)
+        self.index_keeper.keep_saved(lambda: self.index)
         journey = self.journal.add(
             Journey(
                 request_id=req.request_id,
@@ -190,15 +189,11 @@ class Conductor:
         def empty_index() -> None:
             self.index = PrefixIndex(self.config.model.block_size)
 
-        if self.index_keeper is None:
-            empty_index()
-        else:
-            await self.index_keeper.replace(empty_index)
+        await self.index_keeper.replace(empty_index)
 
     async def forget_saved_index(self) -> None:
         """The next conductor starts from an empty prefix index (IndexKeeper.forget)."""
-        if self.index_keeper is not None:
-            await self.index_keeper.forget()
+        await self.index_keeper.forget()
 
     def _count_in_flight(self, delta: int) -> None:
         self.in_flight += delta
@@ -235,7 +230,7 @@ class Conductor:
                 for name, counters in (await self.links.counters()).items()
             },
             "in_flight": self.in_flight,
-            "prefix_index_saved_at": self.index_keeper.saved_at if self.index_keeper is not None else None,
+            "prefix_index_saved_at": self.index_keeper.saved_at,
             "slo": {"targets": cfg.slo.model_dump(mode="json"), "recent": slo_summary(self.journal.recent(self.journal.capacity), cfg.slo, cfg.slo.window_s)},
         }
 

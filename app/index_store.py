@@ -89,9 +89,9 @@ class IndexStore:
 class IndexKeeper:
     """Keeps a conductor's prefix index saved in an IndexStore, and restores it."""
 
-    def __init__(self, store: IndexStore, live_replica_ids: Callable[[], set[str] | None]):
-        self.store: IndexStore | None = store
-        """None once forgotten: nothing more is saved."""
+    def __init__(self, store: IndexStore | None, live_replica_ids: Callable[[], set[str] | None]):
+        self.store = store
+        """None without a store, or once forgotten: nothing is restored or saved."""
         self._live_replica_ids = live_replica_ids
         self._saved_changes: dict[str, int] = {}
         """Replica id -> its index entry's change count when last saved."""
@@ -102,6 +102,8 @@ class IndexKeeper:
 
     def restore(self, index: PrefixIndex) -> None:
         """Fill `index` with what the last conductor saved; leave it empty if that cannot be read."""
+        if self.store is None:
+            return
         try:
             saved = self.store.load(index.block_size)
         except Exception:  # noqa: BLE001 - the GCS unreachable: routing still works, blind for a turn

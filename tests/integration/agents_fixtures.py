@@ -292,10 +292,10 @@ def healthy_snapshot(at: float = 10_000.0, **fields: Any):
     base.update(fields)
     if "slo_violation_rate_by_slo" not in fields:
         slo = pdd_config().slo
-        rate = sum(base["request_rate_by_pipeline"].values())
-        for name, figure, target in (("ttft", base["ttft_p"], slo.ttft_ms), ("tpot", base["tpot_p"], slo.tpot_ms), ("gap", base["gap_p"], slo.max_gap_ms)):
-            if figure is not None and figure * 1000 > target:
-                base["slo_violation_rate_by_slo"] = {**base["slo_violation_rate_by_slo"], name: rate / 5}
+        over = sum(base["request_rate_by_pipeline"].values()) / 5
+        targets = {"ttft": (base["ttft_p"], slo.ttft_ms), "tpot": (base["tpot_p"], slo.tpot_ms), "gap": (base["gap_p"], slo.max_gap_ms)}
+        base["slo_violation_rate_by_slo"] = {name: over if figure is not None and figure * 1000 > target else 0.0
+                                             for name, (figure, target) in targets.items()}
     return Snapshot(**base)
 
 
