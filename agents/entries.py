@@ -3,7 +3,8 @@
 YAML front matter carries the record (time, situation, evidence = queries and
 values, action, expected effect, outcome, rollback); the body says why in
 words and points at the situation's runbook. The outcome is updated in place
-as the action moves on (approved, applied, kept or rolled back).
+as the action moves on (approved, applied, kept or rolled back), and when a
+proposal not acted on is made again while its situation lasts (agents/graph.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def iso(t: float) -> str:
 class EntrySink(Protocol):
     def file(self, proposal: Proposal, *, tick: str, mode: str, at: float, outcome: str, explanation: str) -> str | None: ...
 
-    def update(self, path: str, *, at: float, outcome: str) -> None: ...
+    def update(self, path: str, *, at: float, outcome: str) -> bool:
+        """Add an outcome to the entry at `path`; False when it is gone (a person removed it)."""
+        ...
 
 
 class NoEntries:
@@ -37,8 +40,8 @@ class NoEntries:
     def file(self, proposal: Proposal, **_) -> str | None:
         return None
 
-    def update(self, path: str, **_) -> None:
-        return None
+    def update(self, path: str, **_) -> bool:
+        return False
 
 
 def _slug(text: str) -> str:
@@ -91,18 +94,19 @@ class FileEntries:
         path.write_text("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n\n" + "\n".join(body) + "\n")
         return str(path)
 
-    def update(self, path: str, *, at: float, outcome: str) -> None:
+    def update(self, path: str, *, at: float, outcome: str) -> bool:
         p = Path(path)
         if not p.exists():
-            return
+            return False
         text = p.read_text()
         m = FRONT.match(text)
         if m is None:
-            return
+            return False
         front = yaml.safe_load(m.group(1)) or {}
         front["outcome"] = outcome
         front.setdefault("outcomes", []).append({"time": iso(at), "outcome": outcome})
         p.write_text("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n" + text[m.end():])
+        return True
 
 
 def read_entry(path: str | Path) -> tuple[dict, str]:

@@ -38,7 +38,7 @@ from agents.entries import EntrySink
 from agents.figures import slo_figures
 from agents.guard import direction, guard
 from agents.knobs import Change, is_notice, is_replicas, kind_of, role_of, with_knobs
-from agents.memory import Block, Growth, Memory, MemoryBackend, Unit, growth_key, record_history
+from agents.memory import Block, Filed, Growth, Memory, MemoryBackend, Unit, growth_key, record_history
 from agents.observe import ObserveError, Snapshot, Source
 from agents.proposal import Decision, Proposal
 from agents.router import Router, hand_to
@@ -54,6 +54,10 @@ from app.config import AgentMode, AgentsConfig, LiveKnobs, PDDConfig
 BLOCK_COOLDOWNS = 3
 MAX_BLOCK_DOUBLINGS = 4
 SCORE_QUERY = "SLO score: max of ttft_p, tpot_p, gap_p over their targets"
+NOTIFIED = "notified: a person follows the runbook"
+AGAIN = "still so: the situation persists"
+PROPOSED = "proposed (observe mode: not applied)"
+PROPOSED_AGAIN = "proposed again (observe mode: not applied): the situation persists"
 
 
 class TickState(TypedDict, total=False):
@@ -179,6 +183,7 @@ def build_graph(deps: Deps) -> StateGraph:
         )
         memory.streaks = streaks
         memory.growth = {k: g for k, g in memory.growth.items() if g.situation in streaks}
+        memory.filed = {k: f for k, f in memory.filed.items() if f.situation in streaks}
         update = {"situations": [s.model_dump(mode="json") for s in found], "memory": memory.model_dump(mode="json")}
         cmd = next_specialist({**state, **update}, [])
         return Command(goto=cmd.goto, update={**update, **cmd.update})
@@ -211,13 +216,13 @@ def build_graph(deps: Deps) -> StateGraph:
         awaiting = False
         for d in accepted:
             target = d.proposal.change.target
-            if is_notice(target):
-                outcome = "notified: a person follows the runbook"
+            if is_notice(target) or mode == AgentMode.observe.value:
                 memory.noted[target] = now
-            elif mode == AgentMode.observe.value:
-                outcome = "proposed (observe mode: not applied)"
-                memory.noted[target] = now
-            elif mode == AgentMode.advise.value:
+                path = _file_once(memory, d.proposal, tick, mode, now, explanation)
+                if path:
+                    entries[target] = path
+                continue
+            if mode == AgentMode.advise.value:
                 outcome = f"awaiting approval: pdd agents approve {tick}"
                 memory.pending[target] = tick
                 awaiting = True
@@ -233,6 +238,20 @@ def build_graph(deps: Deps) -> StateGraph:
             _history(state | update, "awaiting approval")
             return Command(goto="approve", update=update)
         return Command(goto="act", update=update)
+
+    def _file_once(memory: Memory, p: Proposal, tick: str, mode: str, now: float, explanation: str) -> str | None:
+        """File a proposal the agents do not act on, or, when its situation has lasted since the same
+        proposal was filed, add to that entry's outcomes; the entry's path. Mutates `memory`."""
+        target = p.change.target
+        notice = is_notice(target)
+        earlier = memory.filed.get(target)
+        same = earlier is not None and earlier.situation == p.situation_key and (notice or earlier.change == p.change)
+        if same and deps.entries.update(earlier.path, at=now, outcome=f"{AGAIN if notice else PROPOSED_AGAIN} (tick {tick})"):
+            return earlier.path
+        path = deps.entries.file(p, tick=tick, mode=mode, at=now, outcome=NOTIFIED if notice else PROPOSED, explanation=explanation)
+        if path:
+            memory.filed[target] = Filed(situation=p.situation_key, change=p.change, path=path)
+        return path
 
     def approve(state: TickState) -> dict:
         proposals = [d.proposal.model_dump(mode="json") for d in _decisions(state) if d.status == "accepted" and not is_notice(d.proposal.change.target)]

@@ -59,6 +59,15 @@ class Growth(BaseModel):
     """Requests/s then: when the load has grown since, an unchanged figure does not show the replica futile."""
 
 
+class Filed(BaseModel):
+    """The entry filed for a proposal the agents did not act on (observe mode, a notice)."""
+
+    situation: str
+    """Its situation's key: while the situation lasts, the same proposal updates this entry."""
+    change: Change
+    path: str
+
+
 class Memory(BaseModel):
     last_change: dict[str, float] = {}
     """Target -> time it last changed (or was rolled back)."""
@@ -68,6 +77,9 @@ class Memory(BaseModel):
     noted: dict[str, float] = {}
     """Target -> time a proposal for it was last filed without acting (observe, advise):
     cooldowns count from it too, so an unchanged cluster does not get the same entry every tick."""
+    filed: dict[str, Filed] = {}
+    """Target -> the entry of its last proposal filed without acting, while its situation lasts:
+    a situation that goes on for an hour gets one entry that says so, not one per cooldown."""
     streaks: dict[str, int] = {}
     """Situation key -> consecutive ticks it has been active (absent: inactive)."""
     growth: dict[str, Growth] = {}

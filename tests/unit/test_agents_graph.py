@@ -121,6 +121,60 @@ def test_observe_mode_files_once_and_changes_nothing(tmp_path):
     assert [h["status"] for h in history] == ["done", "done"]
 
 
+def test_observe_mode_keeps_one_entry_while_its_situation_lasts(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    source = StaticSource(healthy_snapshot(T0, **TTFT_BREACH))
+
+    def tick_at(at: float, **fields) -> dict:
+        clock.t = at
+        source.current = healthy_snapshot(at, **fields)
+        return s.tick()
+
+    with swarm(tmp_path, "observe", source, actuator, clock) as s:
+        s.tick()
+        for at in (T0 + 70, T0 + 140):  # past each cooldown, the breach still there
+            assert [d["status"] for d in tick_at(at, **TTFT_BREACH)["decisions"]] == ["accepted"]
+        [(front, _)] = entries(tmp_path)
+        assert [o["outcome"].split(":")[0] for o in front["outcomes"]] == ["proposed (observe mode", "proposed again (observe mode", "proposed again (observe mode"]
+        assert front["outcome"].startswith("proposed again") and front["time"] == front["outcomes"][0]["time"]
+
+        first = set((tmp_path / "actions").glob("*.md"))
+        tick_at(T0 + 150)  # the breach is over: a later one is a new situation with its own entry
+        tick_at(T0 + 220, **TTFT_BREACH)
+        [second] = set((tmp_path / "actions").glob("*.md")) - first
+        second.unlink()
+        tick_at(T0 + 290, **TTFT_BREACH)  # a person removed its entry: the next filing is not lost
+        assert len(entries(tmp_path)) == 2 and not second.exists()
+    assert actuator.calls == []
+
+
+def test_a_lasting_notice_is_one_entry_and_a_different_proposal_another(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    leak = dict(leases_live=600.0, leases_slope=2.0)
+    source = StaticSource(healthy_snapshot(T0, **leak))
+    with swarm(tmp_path, "act", source, actuator, clock) as s:
+        s.tick()
+        clock.t = source.current.at = T0 + 70
+        s.tick()
+        [(front, _)] = entries(tmp_path)
+        assert front["action"]["kind"] == "notice" and [o["outcome"].split(":")[0] for o in front["outcomes"]] == ["notified", "still so"]
+    # observe mode, one breach: the proposal for a second prefill replica, then (the fleet grown by hand) for a third
+    observe = tmp_path / "observe"
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    source = StaticSource(healthy_snapshot(T0, **TTFT_BREACH))
+    clock = Clock(T0)
+    with swarm(observe, "observe", source, actuator, clock) as s:
+        s.tick()
+        actuator.replicas["prefill"] = 2
+        clock.t = source.current.at = T0 + 70
+        s.tick()
+    assert sorted((f["action"]["from"], f["action"]["to"]) for f, _ in entries(observe)) == [(1, 2), (2, 3)]
+
+
 def test_advise_mode_waits_then_applies_on_approval(tmp_path):
     config = pdd_config()
     actuator = DryRunActuator(config.live_knobs(), REPLICAS)
