@@ -45,11 +45,16 @@ Figures are medians over `--seeds` traffic seeds; the agents run once per
 seed; the load, the screening and the best finalist come from the first.
 goodput_vs_best = the agents' final SLA goodput / the best finalist's.
 
+Runs and searches that do not wait on each other (a stage's screens, the
+goodput searches) go on `--jobs` processes, and so do the seeds' agents (a
+seed's ticks run in turn; each process remembers its own runs, so the count of
+simulations grows); the figures are the same for any number.
+
 Default run: 3 seeds, a few hundred simulated runs of ~750 simulated seconds;
 minutes on two cores (the wall time is printed). Bigger: more `--seeds`,
 `--finalists`, `--thresholds`, `--caps`, a longer `--warmup-s`.
 
-    python bench/agents_tuning.py [--seeds 3] [--rps R] [--budget USD_PER_H] [--json out.json]
+    python bench/agents_tuning.py [--seeds 3] [--rps R] [--budget USD_PER_H] [--jobs N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +81,7 @@ from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
 from app.config import LiveKnobs, PDDConfig, RoleName
 from app.config_file import load_config
 from app.sim import SimRun, Summary
+from app.sim.parallel import check_jobs, run_all
 from app.sim.run import TimedTraffic
 from bench.common import ROOT, median, write_outputs
 from bench.paper_table import WARMUP_S, WORKLOAD
@@ -145,13 +153,30 @@ class Twin:
 
     def goodput(self, point: Point, seed: int, rel_tol: float) -> float:
         """SLA goodput: the highest RPS meeting the SLO (goodput_search)."""
-        key = (point.key(), seed)
-        if key not in self.searches:
-            s = self.setup
-            found = s.search(fleet_config(s.config, point.fleet, point.knobs), seed, lo=SEARCH_FROM_RPS, rel_tol=rel_tol)
-            self.sims += len(found.probes)
-            self.searches[key] = found.rps
-        return self.searches[key]
+        self.prefetch_goodput([(point, seed)], rel_tol)
+        return self.searches[(point.key(), seed)]
+
+    def prefetch(self, wanted: Iterable[tuple[Point, int]]) -> None:
+        """Simulate the (point, seed) runs not remembered yet, on the setup's `jobs` processes."""
+        missing = list({(p.key(), seed): (p, seed) for p, seed in wanted if (p.key(), seed) not in self.runs}.items())
+        s = self.setup
+        done = run_all(partial(_run_of, s), [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing], jobs=s.jobs)
+        self.runs.update((key, run) for (key, _), run in zip(missing, done))
+        self.sims += len(missing)
+
+    def prefetch_goodput(self, wanted: Iterable[tuple[Point, int]], rel_tol: float) -> None:
+        """Goodput searches of the (point, seed) pairs not searched yet, on the setup's `jobs` processes."""
+        missing = list({(p.key(), seed): (p, seed) for p, seed in wanted if (p.key(), seed) not in self.searches}.items())
+        s = self.setup
+        found = s.searches([(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing], rel_tol=rel_tol)
+        for (key, _), result in zip(missing, found):
+            self.searches[key] = result.rps
+            self.sims += len(result.probes)
+
+
+def _run_of(setup: Setup, run: tuple[PDDConfig, int]) -> SimRun:
+    config, seed = run
+    return setup.run(config, setup.rps, seed)
 
 
 # ---- the agents --------------------------------------------------------------------------
@@ -233,6 +258,12 @@ def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: i
     return out
 
 
+def _agents_alone(setup: Setup, seed: int, *, start: Point, **options: Any) -> tuple[AgentRun, int]:
+    """`run_agents` on another process, with runs of its own to remember: (the run, its simulations)."""
+    twin = Twin(setup)
+    return run_agents(twin, start, seed, **options), twin.sims
+
+
 def show_ticks(run: AgentRun, config: PDDConfig, rps: float) -> None:
     """One row per tick with a change or a new situation; stretches where nothing moved are folded."""
     t = Table(title=f"agents on the twin, seed {run.seed}: {rps:g} RPS offered (figures: value / SLO target at p{config.slo.percentile:g})")
@@ -312,12 +343,16 @@ def sweep(twin: Twin, budget: float, a: argparse.Namespace) -> list[Point]:
             best.setdefault(s.point.replicas, s)
         return best
 
-    stage1 = [screen(Point(n, with_knobs(base, {THRESHOLD: thr}))) for n in fleets(config, budget) for thr in a.thresholds]
+    def screen_all(points: list[Point]) -> list[Screened]:
+        twin.prefetch((p, a.seed) for p in points)
+        return [screen(p) for p in points]
+
+    stage1 = screen_all([Point(n, with_knobs(base, {THRESHOLD: thr})) for n in fleets(config, budget) for thr in a.thresholds])
     leaders = list(best_by_fleet(stage1).values())[: a.finalists]
-    stage2 = [
-        screen(Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap})))
+    stage2 = screen_all([
+        Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap}))
         for s in leaders for mode in a.modes for cap in a.caps
-    ]
+    ])
     leading_fleets = {s.point.replicas for s in leaders}
     finalists = [s for s in best_by_fleet(stage1 + stage2).values() if s.point.replicas in leading_fleets]
     t = Table(title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS; "
@@ -373,10 +408,17 @@ def main() -> None:
     ap.add_argument("--caps", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--finalists", type=int, default=5, help="fleets whose best screened configuration gets a goodput search")
     ap.add_argument("--rel-tol", type=float, default=0.02, help="goodput search precision")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes for the runs and searches that do not wait on each other, and for the seeds' agents "
+                         "(default: every CPU); the figures are the same for any number")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
     if a.finalists < 1:
         ap.error("--finalists: at least one fleet must get a goodput search")
+    try:
+        jobs = check_jobs(a.jobs)
+    except ValueError as err:
+        ap.error(str(err))
     t0 = time.perf_counter()
 
     base = load_config(a.config)
@@ -385,9 +427,9 @@ def main() -> None:
     config = base.model_copy(update={"agents": base.agents.model_copy(update={"max_cost_per_hour": budget})})
     seeds = list(range(a.seed, a.seed + a.seeds))
     window_s = config.slo.window_s
-    sizing = Twin(Setup(WORKLOAD, a.warmup_s, window_s, config, a.rps or 1.0, warm_start=not a.cold_start))
+    sizing = Twin(Setup(WORKLOAD, a.warmup_s, window_s, config, a.rps or 1.0, warm_start=not a.cold_start, jobs=jobs))
     rps = a.rps if a.rps is not None else round(a.load_share * sizing.goodput(shipped, seeds[0], a.rel_tol), 2)
-    setup = Setup(WORKLOAD, a.warmup_s, window_s, config, rps, warm_start=not a.cold_start)
+    setup = Setup(WORKLOAD, a.warmup_s, window_s, config, rps, warm_start=not a.cold_start, jobs=jobs)
     twin = Twin(setup)
     twin.searches.update(sizing.searches)  # searches do not depend on the offered load
     twin.sims += sizing.sims
@@ -402,7 +444,13 @@ def main() -> None:
     t_sweep = time.perf_counter() - t_sweep
 
     t_agents = time.perf_counter()
-    runs = [run_agents(twin, start, seed, max_ticks=a.ticks, stable=a.stable, what_if=a.what_if) for seed in seeds]
+    options = dict(max_ticks=a.ticks, stable=a.stable, what_if=a.what_if)
+    if jobs > 1 and len(seeds) > 1:  # a seed's ticks run in turn, the seeds side by side
+        alone = run_all(partial(_agents_alone, setup, start=start, **options), seeds, jobs=jobs)
+        runs = [run for run, _ in alone]
+        twin.sims += sum(sims for _, sims in alone)
+    else:
+        runs = [run_agents(twin, start, seed, **options) for seed in seeds]
     for run in runs:
         show_ticks(run, config, rps)
     t_agents = time.perf_counter() - t_agents
@@ -412,6 +460,7 @@ def main() -> None:
     def goodput(point: Point, seed: int) -> float:
         return twin.goodput(point, seed, a.rel_tol)
 
+    twin.prefetch_goodput([(p, s) for p in (*finalists, start, shipped) for s in seeds] + [(run.final, run.seed) for run in runs], a.rel_tol)
     best_by_seed = {i: [goodput(p, s) for s in seeds] for i, p in enumerate(finalists)}
     best_i = max(best_by_seed, key=lambda i: (median(best_by_seed[i]), -i))
     best = finalists[best_i]
@@ -429,6 +478,7 @@ def main() -> None:
         ("agents, final", [run.final for run in runs], agents_goodput),
         ("sweep's best", [best] * len(seeds), best_by_seed[best_i]),
     ]
+    twin.prefetch((p, s) for _, points, _ in rows_final for p, s in zip(points, seeds))
     best_med = median(best_by_seed[best_i])
     best_at_load = median([float(at_load(best, s).sla_goodput_rps) for s in seeds])
     t = Table(title=f"final: medians of {len(seeds)} seeds at ${budget:g}/h; SLA goodput = highest RPS meeting the SLO (goodput search)")

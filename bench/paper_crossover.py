@@ -21,7 +21,8 @@ TTFT at each system's peak) and where the RPS and BCR ratios cross 1 and where
 decode reaches the paper's share of cost (log-linear between the points that
 bracket it); writes bench/out/paper_crossover.{csv,png}.
 
-    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--wan-gbps 40] [--cold-start] [--json out.json]
+    python bench/paper_crossover.py [--scales 1,2,4] [--seeds 1] [--warmup-s 450] [--window-s 300] [--wan-gbps 40] [--cold-start]
+                                    [--jobs N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,15 +63,15 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     """Best fleets for one workload, then both systems searched on every seed."""
     (intra_cfg, intra_rps), (pdd_cfg, pdd_rps) = best_intra_and_pdd(base, t, scale_replicas)
     figs: dict[str, dict[str, list[float]]] = {"pdd": {}, "intra": {}}
-    for seed in range(seeds):
-        for name, cfg, known in (("pdd", pdd_cfg, pdd_rps), ("intra", intra_cfg, intra_rps)):
-            found = t.search(cfg, seed, lo=max(1.0, 0.6 * known))
-            f = figs[name]
-            f.setdefault("rps", []).append(found.rps)
-            if found.summary is not None:
-                for q, v in zip((50, 90, 99), found.summary.ttft_s):
-                    f.setdefault(f"ttft{q}", []).append(v)
-                f.setdefault("relay_share", []).append(found.summary.relay_share)
+    systems = (("pdd", pdd_cfg, pdd_rps), ("intra", intra_cfg, intra_rps))
+    searches = [(name, cfg, seed, max(1.0, 0.6 * known)) for seed in range(seeds) for name, cfg, known in systems]
+    for (name, *_), found in zip(searches, t.searches([search for _, *search in searches])):
+        f = figs[name]
+        f.setdefault("rps", []).append(found.rps)
+        if found.summary is not None:
+            for q, v in zip((50, 90, 99), found.summary.ttft_s):
+                f.setdefault(f"ttft{q}", []).append(v)
+            f.setdefault("relay_share", []).append(found.summary.relay_share)
     med = {n: {k: median(v) for k, v in f.items()} for n, f in figs.items()}
     w = t.workload
     p, i = med["pdd"], med["intra"]

@@ -43,10 +43,13 @@ Setup.
 - WAN: the config's 40 Gb/s is an assumption (no source gives a WAN for a
   fleet this size); `--wan-gbps` reruns the comparison at another bandwidth,
   to show how much of each gap the link makes.
-Figures are medians over seeds.
+Figures are medians over seeds. Searches and runs that do not wait on each
+other (the knob candidates, every system on every seed) go on `--jobs`
+processes; the splits' searches stay in turn, each starting where the last
+ended.
 
     python bench/paper_table.py [--seeds 3] [--warmup-s 450] [--window-s 300] [--scale 25] [--wan-gbps 40]
-                                [--cold-start] [--json out.json]
+                                [--cold-start] [--jobs N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from rich.table import Table
 from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles, link_key
 from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
+from app.sim.parallel import check_jobs
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload, hit_rate
 from bench.common import ROOT, median, write_outputs
@@ -201,10 +205,10 @@ def best_split(name: str, counts: range, make, t: TimedTraffic) -> tuple[PDDConf
 
 def best_of(candidates: dict[str, PDDConfig], t: TimedTraffic, lo: float, incumbent: tuple[PDDConfig, float] | None = None) -> tuple[PDDConfig, float]:
     """The candidate sustaining the highest RPS in SLA (seed 0), `incumbent` (already searched) first; on a tie the first."""
-    found = [incumbent] if incumbent else []
-    for label, candidate in candidates.items():
-        found.append((candidate, t.search(candidate, 0, lo=max(lo, 1.0)).rps))
-        console.print(f"  {label}: {found[-1][1]:6.2f} RPS in SLA")
+    labels = list(candidates)
+    results = t.searches([(candidates[label], 0, max(lo, 1.0)) for label in labels],
+                         on_done=lambda i, r: console.print(f"  {labels[i]}: {r.rps:6.2f} RPS in SLA"))
+    found = ([incumbent] if incumbent else []) + [(candidates[label], r.rps) for label, r in zip(labels, results)]
     return max(found, key=lambda x: x[1])
 
 
@@ -279,6 +283,8 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
     ap.add_argument("--wan-gbps", type=float, default=None,
                     help="the A <-> B link's bandwidth in Gb/s (default: the config's 40, an assumption): to see how much of a gap the WAN makes")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes for the searches and runs that do not wait on each other (default: every CPU); the figures are the same for any number")
     ap.add_argument("--json", dest="json_path")
 
 
@@ -298,7 +304,11 @@ def wan_link_gbps(c: PDDConfig) -> float:
 
 
 def timed_traffic(w: AgenticWorkload, a: argparse.Namespace) -> TimedTraffic:
-    return TimedTraffic(w, a.warmup_s, a.window_s, warm_start=not a.cold_start)
+    try:
+        jobs = check_jobs(a.jobs)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return TimedTraffic(w, a.warmup_s, a.window_s, warm_start=not a.cold_start, jobs=jobs)
 
 
 def main() -> None:
@@ -339,27 +349,29 @@ def main() -> None:
                   f"(threshold {chosen['PDD'].routing.max_wan_transfer_ms:g} ms, relay cap {chosen['PDD'].handoff.relay_cap_tokens})")
 
     # ---- per seed: RPS in SLA, then TTFT at each system's peak and at naive's --------------------
-    per_seed: list[dict[str, dict[str, float]]] = []
-    for seed in range(a.seeds):
-        figs: dict[str, dict[str, float]] = {}
-        for name in systems:
-            c = chosen[name]
-            found = t.search(c, seed, lo=max(1.0, 0.6 * known[name]))
-            figs[name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
-            s = found.summary
-            if s is not None:
-                figs[name].update(ttft50=s.ttft_s[0], ttft90=s.ttft_s[1], ttft99=s.ttft_s[2], relay_share=s.relay_share,
-                                  wan_gbps_peak=s.wan_gbps, tpot90=s.tpot_s[1], gap99=s.gap_s[2])
+    per_seed: list[dict[str, dict[str, float]]] = [{} for _ in range(a.seeds)]
+    searches = [(seed, name) for seed in range(a.seeds) for name in systems]
+    found_all = t.searches([(chosen[name], seed, max(1.0, 0.6 * known[name])) for seed, name in searches],
+                           on_done=lambda i, r: console.print(f"  seed {searches[i][0]} {searches[i][1]}: {r.rps:.2f} RPS in SLA"))
+    for (seed, name), found in zip(searches, found_all):
+        c = chosen[name]
+        figs = per_seed[seed][name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
+        s = found.summary
+        if s is not None:
+            figs.update(ttft50=s.ttft_s[0], ttft90=s.ttft_s[1], ttft99=s.ttft_s[2], relay_share=s.relay_share,
+                        wan_gbps_peak=s.wan_gbps, tpot90=s.tpot_s[1], gap99=s.gap_s[2])
+    # then each seed's runs at a common load: the lower of PDD's and intra-DC's, and naive's
+    runs = []
+    for seed, figs in enumerate(per_seed):
         common = min(figs[n]["rps"] for n in ("PDD", "intra-DC H100"))
-        for name in ("PDD", "intra-DC H100"):
-            s = t.run(chosen[name], common, seed).summary(t.warmup_share)
-            figs[name].update(common_ttft50=s.ttft_s[0], common_ttft90=s.ttft_s[1], common_ttft99=s.ttft_s[2], load_common=common)
-        load_naive = figs["naive cross-DC"]["rps"]
-        for name in ("PDD", "naive cross-DC"):
-            s = t.run(chosen[name], load_naive, seed).summary(t.warmup_share)
-            figs[name].update(naive_ttft50=s.ttft_s[0], naive_ttft90=s.ttft_s[1], naive_ttft99=s.ttft_s[2],
-                              wan_gbps=s.wan_gbps, load_naive=load_naive)
-        per_seed.append(figs)
+        runs += [(seed, name, "common", common) for name in ("PDD", "intra-DC H100")]
+        runs += [(seed, name, "naive", figs["naive cross-DC"]["rps"]) for name in ("PDD", "naive cross-DC")]
+    for (seed, name, load, rps), s in zip(runs, t.summaries([(chosen[name], rps, seed) for seed, name, _, rps in runs])):
+        figs = per_seed[seed][name]
+        figs.update({f"{load}_ttft50": s.ttft_s[0], f"{load}_ttft90": s.ttft_s[1], f"{load}_ttft99": s.ttft_s[2], f"load_{load}": rps})
+        if load == "naive":
+            figs["wan_gbps"] = s.wan_gbps
+    for seed, figs in enumerate(per_seed):
         console.print(f"seed {seed}: " + ", ".join(f"{n} {figs[n]['rps']:.2f} RPS" for n in systems))
 
     med = {n: {k: median([f[n][k] for f in per_seed if k in f[n]]) for k in per_seed[0][n]} for n in systems}

@@ -34,12 +34,14 @@ API for comparisons with real runs (e.g. bench/sim_vs_real.py):
   relative errors, non-negative; samples JSON format in app/sim/perf.py
   (`load_samples`, `save_samples`).
 - `goodput_search(config, workload_at, ...)`: the highest RPS meeting the
-  config's SLO; `hit_sweep(...)`: benefit against prefix hit rate.
+  config's SLO; `hit_sweep(..., jobs=None)`: benefit against prefix hit rate,
+  its runs on every CPU. `app.sim.parallel.run_all` runs any independent runs
+  on several processes, with the same figures as one.
 
 Modules: events (the loop), perf (step times), cache (prefix caches), engine
 (one replica), network (links), cluster (replicas from the config), twin (the
 conductor's pipelines), jobs (its per-request state), workload (generator,
-traces), results, report, run, cli. The hot ones run compiled where
+traces), results, report, run, parallel (runs on several processes), cli. The hot ones run compiled where
 `pdd native build` built them (app/native.py; their .pxd files declare the
 compiled classes' fields), with the same results as plain Python.
 """

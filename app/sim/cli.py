@@ -5,6 +5,7 @@
     pdd sim CONFIG --search              # highest RPS meeting the config's SLO
     pdd sim CONFIG --sweep-hit           # benefit vs hit rate (bathtub) plot
     pdd sim CONFIG --workload trace.jsonl --perf fitted.json
+    pdd sim CONFIG --compare pd_intra_dc --search -j 4   # independent runs on 4 processes
 
 `pdd calibrate CONFIG` measures a real engine of CONFIG on this machine and
 writes the fitted step-time model `--perf` reads (app/sim/calibrate.py).
@@ -30,9 +31,10 @@ from app.config import Mode, PDDConfig, RoleName
 from app.config_file import ConfigError, format_validation_error, load_config
 from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive, entry_role
+from app.sim.parallel import Report, check_jobs, run_all
 from app.sim.perf import FittedPerf
-from app.sim.report import Summary, plot_bathtub, plot_ttft_cdf, summary_table
-from app.sim.run import SimRun, Workload, agentic_at, goodput_search, hit_sweep, scaled, simulate
+from app.sim.report import plot_bathtub, plot_ttft_cdf, summary_table
+from app.sim.run import SearchResult, SimRun, Workload, agentic_at, goodput_search, hit_sweep, simulate, trace_at
 from app.sim.workload import AgenticWorkload, check_window, fitted_to_window, read_trace
 
 console = Console()
@@ -68,14 +70,26 @@ def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: in
     return None, trace
 
 
-def _run(config: PDDConfig, workload: Workload, total: int, perf, seed: int, label: str, warm_start: bool) -> SimRun:
+def _simulate(run: tuple[PDDConfig, Workload, object, int, bool], report: Report) -> SimRun:
+    config, workload, perf, seed, warm_start = run
+    return simulate(config, workload, perf, seed, progress=report, warm_start=warm_start)
+
+
+def _run_all(configs: list[PDDConfig], workload: Workload, total: int, perf, seed: int, warm_start: bool, jobs: int) -> list[SimRun]:
+    """One run per config, on up to `jobs` processes, a progress bar each."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        task = bar.add_task(label, total=total or None)
-        run = simulate(config, workload, perf, seed, progress=lambda n: bar.update(task, completed=n), warm_start=warm_start)
-    return run
+        tasks = [bar.add_task(f"simulating {c.mode.value}", total=total or None) for c in configs]
+        return run_all(_simulate, [(c, workload, perf, seed, warm_start) for c in configs], jobs=jobs,
+                       on_progress=lambda i, n: bar.update(tasks[i], completed=n))
+
+
+def _search(search: tuple[PDDConfig, object, float, object, int, float, bool], report: Report) -> SearchResult:
+    config, at, lo, perf, seed, warmup, warm_start = search
+    return goodput_search(config, at, lo=lo, perf=perf, seed=seed, warmup=warmup, warm_start=warm_start,
+                          on_probe=lambda rps, s: report((rps, s.slo_attainment)))
 
 
 def sim(
@@ -95,9 +109,12 @@ def sim(
     baseline: Mode = typer.Option(Mode.pd_cross_dc_naive, help="Baseline mode of the hit-rate sweep"),
     out: Path = typer.Option(Path("bench/out"), help="Folder for plots"),
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures as JSON here"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="Processes for independent runs (the modes compared, their searches, "
+                                    "the sweep's points); default: every CPU. The figures are the same for any number"),
 ) -> None:
     """Simulate CONFIG on a workload; print TTFT/TPOT percentiles, SLA goodput, cost, BCR, WAN use."""
     try:
+        jobs = check_jobs(jobs)
         if not 0 <= warmup < 1:
             raise ValueError(f"--warmup: {warmup:g} is not a share of the run in [0, 1)")
         config = load_config(config_path)
@@ -105,18 +122,21 @@ def sim(
             config = derive(config, mode=mode)
         configs = [config] + [derive(config, mode=m) for m in dict.fromkeys(compare) if m is not config.mode]
         template, wl = _workload(workload, rps, requests, seed, config.model.max_model_len)
-        if search and template is None and wl[-1].arrival_s <= wl[0].arrival_s:
-            raise ValueError(f"--search replays the trace faster and slower: {workload}'s requests all arrive at one time")
+        if search and template is None:
+            try:
+                at = trace_at(wl)
+            except ValueError as err:
+                raise ValueError(f"--search replays {workload} faster and slower, but {err}") from None
+        elif search:
+            at = agentic_at(template)
         perf_model = None
         if perf is not None:
             from app.sim.perf import load_perf
 
             perf_model = load_perf(perf)
             configs = [with_model_spec(c) for c in configs]
-        runs = []
-        for c in configs:
-            total = len(wl) if isinstance(wl, list) else requests
-            runs.append((c.mode.value, _run(c, wl, total, perf_model, seed, f"simulating {c.mode.value}", not cold_start)))
+        total = len(wl) if isinstance(wl, list) else requests
+        runs = list(zip([c.mode.value for c in configs], _run_all(configs, wl, total, perf_model, seed, not cold_start, jobs)))
     except (ConfigError, SimConfigError, ValueError, OSError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -130,19 +150,15 @@ def sim(
     written = [cdf]
 
     if search:
-        if template is None:
-            base_rps = len(wl) / max(wl[-1].arrival_s - wl[0].arrival_s, 1e-9)
-            def at(target: float, trace=wl):
-                return scaled(trace, target / base_rps)
-        else:
-            at = agentic_at(template)
         doc["search"] = {}
-        for c in configs:
-            with console.status(f"goodput search: {c.mode.value}") as status:
-                def note(r: float, s: Summary, status=status, c=c) -> None:
-                    status.update(f"goodput search {c.mode.value}: {r:.2f} RPS -> SLO attainment {s.slo_attainment:.1%}")
-                found = goodput_search(c, at, lo=min(0.5, rps), perf=perf_model, seed=seed, warmup=warmup, on_probe=note,
-                                       warm_start=not cold_start)
+        latest = {c.mode.value: "starting" for c in configs}
+        with console.status("goodput search") as status:
+            def note(i: int, probe: tuple[float, float]) -> None:
+                latest[configs[i].mode.value] = f"{probe[0]:.2f} RPS -> SLO attainment {probe[1]:.1%}"
+                status.update("goodput search: " + "; ".join(f"{mode} {text}" for mode, text in latest.items()))
+            searches = [(c, at, min(0.5, rps), perf_model, seed, warmup, not cold_start) for c in configs]
+            found_all = run_all(_search, searches, jobs=jobs, on_progress=note)
+        for c, found in zip(configs, found_all):
             cost = found.summary.cost_per_hour if found.summary else float("nan")
             console.print(f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
                           f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
@@ -156,7 +172,8 @@ def sim(
             base_cfg = derive(config, mode=baseline)
             with console.status("hit-rate sweep") as status:
                 points = hit_sweep(config, base_cfg, template, HIT_GRID, perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start,
-                                   on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"))
+                                   on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"),
+                                   jobs=jobs)
             tub = out / "sim_bathtub.png"
             plot_bathtub(tub, points, f"{config.mode.value} vs {baseline.value}: 1 - TTFT p90 ratio at {template.rps:g} RPS")
             written.append(tub)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from app.config import PDDConfig
@@ -12,6 +13,7 @@ from app.sim.cluster import PerfArg
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
 from app.sim.outages import Outage
+from app.sim.parallel import run_all
 from app.sim.twin import Twin
 from app.sim.workload import AgenticWorkload, Request, fixed_hit, read_trace
 
@@ -60,6 +62,17 @@ def scaled(requests: Iterable[Request], factor: float) -> Iterator[Request]:
     """A trace replayed `factor` times faster (arrivals divided by it)."""
     for r in requests:
         yield r._replace(arrival_s=r.arrival_s / factor)
+
+
+def _trace_at(trace: list[Request], base_rps: float, rps: float) -> Iterator[Request]:
+    return scaled(trace, rps / base_rps)
+
+
+def trace_at(trace: list[Request]) -> Callable[[float], Iterable[Request]]:
+    """The trace at any mean rate, replayed faster or slower (a function that crosses to other processes)."""
+    if len(trace) < 2 or trace[-1].arrival_s <= trace[0].arrival_s:
+        raise ValueError("the trace's requests all arrive at one time: it has no rate to replay faster or slower")
+    return partial(_trace_at, trace, len(trace) / (trace[-1].arrival_s - trace[0].arrival_s))
 
 
 @dataclass
@@ -161,8 +174,13 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
     return out
 
 
+def _agentic_at(template: AgenticWorkload, rps: float) -> Iterator[Request]:
+    return template.with_rps(rps).generate()
+
+
 def agentic_at(template: AgenticWorkload) -> Callable[[float], Iterable[Request]]:
-    return lambda rps: template.with_rps(rps).generate()
+    """The template's sessions at any rate (a function that crosses to other processes)."""
+    return partial(_agentic_at, template)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,8 @@ class TimedTraffic:
     warmup_s: float
     window_s: float
     warm_start: bool = field(default=True, kw_only=True)
+    jobs: int | None = field(default=1, kw_only=True)
+    """Processes for `searches` and `summaries` (app/sim/parallel.py; None: every CPU): the figures are the same for any number."""
 
     @property
     def span_s(self) -> float:
@@ -201,7 +221,7 @@ class TimedTraffic:
 
     def traffic(self, seed: int) -> Callable[[float], Iterable[Request]]:
         """The same sessions at every load (a goodput search's probes differ only in pace)."""
-        return lambda rps: self.at(rps, seed).generate()
+        return partial(_timed_at, self, seed)
 
     def run(self, config: PDDConfig, rps: float, seed: int) -> SimRun:
         """`span_s` seconds of the traffic at `rps` on `config` (its figures: `.summary(self.warmup_share)`)."""
@@ -212,19 +232,50 @@ class TimedTraffic:
         return goodput_search(config, self.traffic(seed), lo=lo, rel_tol=rel_tol, seed=seed, warmup=self.warmup_share,
                               warm_start=self.warm_start)
 
+    def searches(self, searches: Iterable[tuple[PDDConfig, int, float]], on_done: Callable[[int, SearchResult], None] | None = None,
+                 *, rel_tol: float = 0.03) -> list[SearchResult]:
+        """`search` for each (config, seed, lo), on `jobs` processes, in order; `on_done(index, result)` as each ends."""
+        return run_all(partial(_search_of, self, rel_tol=rel_tol), searches, jobs=self.jobs, on_done=on_done)
+
+    def summaries(self, runs: Iterable[tuple[PDDConfig, float, int]]) -> list[Summary]:
+        """The measured window's figures of `run` for each (config, rps, seed), on `jobs` processes, in order."""
+        return run_all(partial(_window_of, self), runs, jobs=self.jobs)
+
+
+def _search_of(traffic: TimedTraffic, search: tuple[PDDConfig, int, float], rel_tol: float) -> SearchResult:
+    config, seed, lo = search
+    return traffic.search(config, seed, lo=lo, rel_tol=rel_tol)
+
+
+def _window_of(traffic: TimedTraffic, run: tuple[PDDConfig, float, int]) -> Summary:
+    config, rps, seed = run
+    return traffic.run(config, rps, seed).summary(traffic.warmup_share)
+
+
+def _timed_at(traffic: TimedTraffic, seed: int, rps: float) -> Iterator[Request]:
+    return traffic.at(rps, seed).generate()
+
+
+def _summary_of(run: tuple[PDDConfig, Workload, PerfArg, int, bool, float]) -> Summary:
+    config, workload, perf, seed, warm_start, warmup = run
+    return simulate(config, workload, perf, seed, warm_start=warm_start).summary(warmup)
+
 
 def hit_sweep(config: PDDConfig, baseline: PDDConfig, template: AgenticWorkload, hits: Iterable[float], *,
               perf: PerfArg = None, seed: int = 0, warmup: float = 0.1,
-              on_point: Callable[[dict[str, float]], None] | None = None, warm_start: bool = False) -> list[dict[str, float]]:
+              on_point: Callable[[dict[str, float]], None] | None = None, warm_start: bool = False,
+              jobs: int | None = 1) -> list[dict[str, float]]:
     """Benefit against hit rate (the bathtub): for each hit rate of follow-up turns,
-    1 - TTFT p90 of `config` / TTFT p90 of `baseline`, at the template's RPS (`warm_start` as in `simulate`)."""
-    points = []
-    for h in hits:
-        w = fixed_hit(template, h)
-        mine = simulate(config, w, perf, seed, warm_start=warm_start).summary(warmup)
-        base = simulate(baseline, w, perf, seed, warm_start=warm_start).summary(warmup)
-        point = {
-            "hit_rate": h,
+    1 - TTFT p90 of `config` / TTFT p90 of `baseline`, at the template's RPS (`warm_start` as in `simulate`).
+    Its runs go on `jobs` processes (None: every CPU; app/sim/parallel.py); `on_point` as each point completes."""
+    hits = list(hits)
+    runs = [(c, fixed_hit(template, h), perf, seed, warm_start, warmup) for h in hits for c in (config, baseline)]
+    done: dict[int, Summary] = {}
+
+    def point(k: int) -> dict[str, float]:
+        mine, base = done[2 * k], done[2 * k + 1]
+        return {
+            "hit_rate": hits[k],
             "ttft_p90_s": mine.ttft_s[1],
             "baseline_ttft_p90_s": base.ttft_s[1],
             "benefit": 1 - mine.ttft_s[1] / base.ttft_s[1],
@@ -233,7 +284,11 @@ def hit_sweep(config: PDDConfig, baseline: PDDConfig, template: AgenticWorkload,
             # past the SLO, latency is queueing and the benefit says more about load than about the design
             "overloaded": float(not (mine.meets(config.slo) and base.meets(baseline.slo))),
         }
-        points.append(point)
-        if on_point is not None:
-            on_point(point)
-    return points
+
+    def finished(i: int, summary: Summary) -> None:
+        done[i] = summary
+        if on_point is not None and (i ^ 1) in done:
+            on_point(point(i // 2))
+
+    run_all(_summary_of, runs, jobs=jobs, on_done=finished)
+    return [point(k) for k in range(len(hits))]

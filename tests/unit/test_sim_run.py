@@ -323,6 +323,7 @@ def test_cli_names_a_missing_spec(tmp_path):
     (["--workload", "LIST"], "expected a mapping of AgenticWorkload fields"),
     (["--workload", "BADFIELD"], "turns_min: Input should be greater than or equal to 1"),
     (["--workload", "ONE", "--search"], "all arrive at one time"),
+    (["--jobs", "0"], "--jobs: 0 is not a number of processes"),
 ])
 def test_cli_names_bad_options_and_workloads(tmp_path, args, named):
     from app.sim.cli import cli
