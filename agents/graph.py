@@ -245,8 +245,10 @@ def build_graph(deps: Deps) -> StateGraph:
         target = p.change.target
         notice = is_notice(target)
         earlier = memory.filed.get(target)
-        same = earlier is not None and earlier.situation == p.situation_key and (notice or earlier.change == p.change)
-        if same and deps.entries.update(earlier.path, at=now, outcome=f"{AGAIN if notice else PROPOSED_AGAIN} (tick {tick})"):
+        # the value a controller proposes moves with the figures; from the same live value it is the same proposal
+        same = earlier is not None and earlier.situation == p.situation_key and earlier.change.old == p.change.old
+        again = AGAIN if notice else f"{PROPOSED_AGAIN}: {p.change.describe()}"
+        if same and deps.entries.update(earlier.path, at=now, outcome=f"{again} (tick {tick})"):
             return earlier.path
         path = deps.entries.file(p, tick=tick, mode=mode, at=now, outcome=NOTIFIED if notice else PROPOSED, explanation=explanation)
         if path:

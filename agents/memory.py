@@ -63,7 +63,8 @@ class Filed(BaseModel):
     """The entry filed for a proposal the agents did not act on (observe mode, a notice)."""
 
     situation: str
-    """Its situation's key: while the situation lasts, the same proposal updates this entry."""
+    """Its situation's key: while the situation lasts, a proposal for the target from the same
+    live value updates this entry, whatever new value it proposes."""
     change: Change
     path: str
 

@@ -21,7 +21,7 @@ from agents.router import LLMRouter, RuleRouter, tool_name
 from agents.runner import Swarm
 from agents.twin import TwinAgent, run_tick
 from app.config import AgentMode
-from tests.integration.agents_fixtures import healthy_snapshot, pdd_args, pdd_config
+from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_args, pdd_config
 
 T0 = 10_000.0
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
@@ -173,6 +173,22 @@ def test_a_lasting_notice_is_one_entry_and_a_different_proposal_another(tmp_path
         clock.t = source.current.at = T0 + 70
         s.tick()
     assert sorted((f["action"]["from"], f["action"]["to"]) for f, _ in entries(observe)) == [(1, 2), (2, 3)]
+
+
+def test_a_lasting_situation_whose_proposed_value_moves_keeps_one_entry(tmp_path):
+    config = pdd_config()
+    actuator = DryRunActuator(config.live_knobs(), REPLICAS)
+    clock = Clock(T0)
+    slow_wan = lambda at, mean: healthy_snapshot(at, kv_seconds_mean_by_link={WAN: mean}, kv_seconds_p90_by_link={WAN: mean * 1.5}, gap_p99=1.9)  # noqa: E731
+    source = StaticSource(slow_wan(T0, 0.6))
+    with swarm(tmp_path, "observe", source, actuator, clock) as s:
+        s.tick()
+        clock.t = T0 + 70
+        source.current = slow_wan(T0 + 70, 0.15)  # the controller's threshold follows the pulls: 100 ms, then 120 ms
+        s.tick()
+    [(front, _)] = entries(tmp_path)
+    assert front["action"] == {"target": "routing.max_wan_transfer_ms", "from": 300.0, "to": 100.0}
+    assert "routing.max_wan_transfer_ms: 300 -> 120" in front["outcome"]
 
 
 def test_advise_mode_waits_then_applies_on_approval(tmp_path):
