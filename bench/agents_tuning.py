@@ -158,7 +158,7 @@ class Twin:
 
     def prefetch(self, wanted: Iterable[tuple[Point, int]]) -> None:
         """Simulate the (point, seed) runs not remembered yet, on the setup's `jobs` processes."""
-        missing = list({(p.key(), seed): (p, seed) for p, seed in wanted if (p.key(), seed) not in self.runs}.items())
+        missing = _missing(wanted, self.runs)
         s = self.setup
         done = run_all(partial(_run_of, s), [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing], jobs=s.jobs)
         self.runs.update((key, run) for (key, _), run in zip(missing, done))
@@ -166,12 +166,17 @@ class Twin:
 
     def prefetch_goodput(self, wanted: Iterable[tuple[Point, int]], rel_tol: float) -> None:
         """Goodput searches of the (point, seed) pairs not searched yet, on the setup's `jobs` processes."""
-        missing = list({(p.key(), seed): (p, seed) for p, seed in wanted if (p.key(), seed) not in self.searches}.items())
+        missing = _missing(wanted, self.searches)
         s = self.setup
         found = s.searches([(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing], rel_tol=rel_tol)
         for (key, _), result in zip(missing, found):
             self.searches[key] = result.rps
             self.sims += len(result.probes)
+
+
+def _missing(wanted: Iterable[tuple[Point, int]], known: dict[tuple[str, int], Any]) -> list[tuple[tuple[str, int], tuple[Point, int]]]:
+    """(key, (point, seed)) of each wanted pair not in `known`, once each, in order."""
+    return list({(p.key(), seed): (p, seed) for p, seed in wanted if (p.key(), seed) not in known}.items())
 
 
 def _run_of(setup: Setup, run: tuple[PDDConfig, int]) -> SimRun:

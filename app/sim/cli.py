@@ -75,7 +75,7 @@ def _simulate(run: tuple[PDDConfig, Workload, object, int, bool], report: Report
     return simulate(config, workload, perf, seed, progress=report, warm_start=warm_start)
 
 
-def _run_all(configs: list[PDDConfig], workload: Workload, total: int, perf, seed: int, warm_start: bool, jobs: int) -> list[SimRun]:
+def _simulate_each(configs: list[PDDConfig], workload: Workload, total: int, perf, seed: int, warm_start: bool, jobs: int) -> list[SimRun]:
     """One run per config, on up to `jobs` processes, a progress bar each."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -136,7 +136,7 @@ def sim(
             perf_model = load_perf(perf)
             configs = [with_model_spec(c) for c in configs]
         total = len(wl) if isinstance(wl, list) else requests
-        runs = list(zip([c.mode.value for c in configs], _run_all(configs, wl, total, perf_model, seed, not cold_start, jobs)))
+        runs = list(zip([c.mode.value for c in configs], _simulate_each(configs, wl, total, perf_model, seed, not cold_start, jobs)))
     except (ConfigError, SimConfigError, ValueError, OSError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None

@@ -78,10 +78,11 @@ def run_all(fn: Callable[..., R], items: Iterable[T], *, jobs: int | None = None
                 on_done(i, results[i])
         return results
     context = multiprocessing.get_context("spawn")
-    manager = context.Manager() if on_progress is not None else None
-    queue = manager.Queue() if manager is not None else None
-    relay = threading.Thread(target=_relay, args=(queue, on_progress), daemon=True) if queue is not None else None
-    if relay is not None:
+    manager = queue = relay = None
+    if on_progress is not None:
+        manager = context.Manager()
+        queue = manager.Queue()
+        relay = threading.Thread(target=_relay, args=(queue, on_progress), daemon=True)
         relay.start()
     try:
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -93,10 +94,10 @@ def run_all(fn: Callable[..., R], items: Iterable[T], *, jobs: int | None = None
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for future in done:
-                    if future.exception() is not None:
+                    if (error := future.exception()) is not None:
                         for other in pending:
                             other.cancel()
-                        raise future.exception()
+                        raise error
                     i = futures[future]
                     results[i] = future.result()
                     if on_done is not None:
