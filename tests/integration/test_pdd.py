@@ -60,6 +60,21 @@ _seed = iter(range(10_000))
 RELAY_64_ONE_SHOT = {"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"}
 """Handoff knobs: the relay decodes 64 tokens, then MD takes over in one step."""
 
+WAN = "dc-a->dc-b"
+
+
+@pytest.fixture
+def slow_wan(app):
+    """The WAN at a quarter of its configured speed for one test, routing still planning for 40 Mbit/s.
+
+    For tests that must see RLD's tokens between P's and MD's: with a relay cap MD takes over when
+    its pull ends, and a loaded machine can take longer than the 2 s pull to start RLD decoding
+    (the conductor then rightly hands over before RLD's first token). An ~8 s pull leaves margin."""
+    faults = Faults(app.name)
+    faults.degrade_link(WAN, bandwidth_mbps=10)
+    yield
+    faults.restore_link(WAN)
+
 
 def api(app) -> openai.OpenAI:
     return openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
@@ -78,7 +93,7 @@ def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
-        wan = app.state()["links"]["dc-a->dc-b"]  # the link's counters and routing's backlog, in one read
+        wan = app.state()["links"][WAN]  # the link's counters and routing's backlog, in one read
         if wan["bytes_down"] != last:
             last, since = wan["bytes_down"], time.monotonic()
         elif time.monotonic() - since >= quiet_s and wan["backlog_bytes"] == 0:
@@ -119,7 +134,7 @@ def assert_relayed_then_handed_over(journey, max_tokens):
     assert handoff["point"] == 1 + counts["relay_decode"]  # RLD's last token is the handoff point
     assert sum(counts.values()) == max_tokens == journey["completion_tokens"]
     links = {t["link"]: t for t in journey["transfers"]}
-    assert links["dc-a->dc-a"]["ok"] and links["dc-a->dc-b"]["ok"]
+    assert links["dc-a->dc-a"]["ok"] and links[WAN]["ok"]
     return handoff
 
 
@@ -169,7 +184,7 @@ def test_a_seeded_sample_is_the_colocated_one_whichever_pipeline_serves_it(app, 
     assert relayed != completion(app, prompt, 400, mode="colocated", **{**seeded, "seed": 12})[0]
 
 
-def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, knobs):
+def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, knobs, slow_wan):
     """After each handoff the earlier output is in the next engine's prompt: it still counts as output."""
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt, penalties = fresh(LONG), {"frequency_penalty": 1.5, "presence_penalty": 0.5}
@@ -179,7 +194,7 @@ def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, kno
     assert relayed != completion(app, prompt, 300, mode="colocated")[0]
 
 
-def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
+def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs, slow_wan):
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
     client = api(app)
@@ -193,7 +208,7 @@ def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
     assert relayed != plain.choices[0].text
 
 
-def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(app, knobs):
+def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(app, knobs, slow_wan):
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
     client = api(app)
@@ -214,7 +229,7 @@ def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(ap
     assert [sorted(t) for t in top] == [sorted(t) for t in single_top]
 
 
-def test_an_echoed_prompt_is_scored_by_prefill_as_by_a_single_engine(app, knobs):
+def test_an_echoed_prompt_is_scored_by_prefill_as_by_a_single_engine(app, knobs, slow_wan):
     """P computes the prompt, so P scores it; the answer goes on across RLD and MD."""
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
@@ -250,7 +265,7 @@ def test_high_hit_turn_goes_straight_to_md(app):
     block = app.args["model"]["block_size"]
     # the answer's last token was sampled, never fed back: no KV of its own
     assert journey["hit_tokens"]["main_decode"] >= (len(turn1) + len(answer) - 1) // block * block
-    wan = [t for t in journey["transfers"] if t["link"] == "dc-a->dc-b"]
+    wan = [t for t in journey["transfers"] if t["link"] == WAN]
     assert len(wan) == 1 and wan[0]["blocks"] <= 3  # only what the new turn added
     assert text == completion(app, turn2, 64, mode="colocated")[0]
 
@@ -282,7 +297,7 @@ def test_a_turn_stopped_during_the_relay_still_reaches_md(app):
     assert journey["pipeline"] == "P-MD", journey["decision"]
     block = app.args["model"]["block_size"]
     assert journey["hit_tokens"]["main_decode"] >= len(turn1) // block * block
-    wan = [t for t in journey["transfers"] if t["link"] == "dc-a->dc-b"]
+    wan = [t for t in journey["transfers"] if t["link"] == WAN]
     assert len(wan) == 1 and wan[0]["blocks"] <= 3
     assert text == completion(app, turn2, 16, mode="colocated")[0]
 
