@@ -25,6 +25,8 @@ from tests.integration.conftest import completion, deploy_app
 
 LONG = 2400
 OUT = 1600
+WAN = "dc-a->dc-b"
+WAN_MBPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def app(serve_instance):
     args["roles"]["main_decode"]["replicas"] = 2
     for role in args["roles"].values():
         role["engine"]["record_steps"] = True
-    set_wan(args, 40, 20)
+    set_wan(args, WAN_MBPS, 20)
     deployed = deploy_app(serve_instance, "pdd", args)
     yield deployed
     deployed.delete()
@@ -60,18 +62,16 @@ _seed = iter(range(10_000))
 RELAY_64_ONE_SHOT = {"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"}
 """Handoff knobs: the relay decodes 64 tokens, then MD takes over in one step."""
 
-WAN = "dc-a->dc-b"
-
 
 @pytest.fixture
 def slow_wan(app):
-    """The WAN at a quarter of its configured speed for one test, routing still planning for 40 Mbit/s.
+    """The WAN at a quarter of its configured speed for one test, routing still planning for the configured one.
 
     For tests that must see RLD's tokens between P's and MD's: with a relay cap MD takes over when
     its pull ends, and a loaded machine can take longer than the 2 s pull to start RLD decoding
     (the conductor then rightly hands over before RLD's first token). An ~8 s pull leaves margin."""
     faults = Faults(app.name)
-    faults.degrade_link(WAN, bandwidth_mbps=10)
+    faults.degrade_link(WAN, bandwidth_mbps=WAN_MBPS / 4)
     yield
     faults.restore_link(WAN)
 
