@@ -1,8 +1,9 @@
 """PDD on real engines: every pipeline and handoff mode gives the colocated tokens.
 
 One app: 1 P + 1 RLD in dc-a, 2 MD in dc-b, a 40 Mbit/s WAN: a 2400-token
-prompt's KV takes ~2 s to cross, while the relay's 1600 tokens take twice that
-or more, so relays really relay and hand over.
+prompt's KV takes ~2 s to cross, while RLD decodes ~85 tokens/s (~180 tokens
+during that pull), so a 1600-token answer's relay really relays and hands over,
+even on a WAN slowed to a quarter (`slow_wan`: ~700 relayed tokens).
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ RELAY_64_ONE_SHOT = {"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode":
 def slow_wan(app):
     """The WAN at a quarter of its configured speed for one test, routing still planning for the configured one.
 
-    For tests that must see RLD's tokens between P's and MD's: with a relay cap MD takes over when
-    its pull ends, and a loaded machine can take longer than the 2 s pull to start RLD decoding
-    (the conductor then rightly hands over before RLD's first token). An ~8 s pull leaves margin."""
+    For tests that must see RLD's tokens between P's and MD's: MD takes over when its pull ends,
+    and a loaded machine can take longer than the 2 s pull to start RLD decoding (the conductor
+    then rightly hands over before RLD's first token). An ~8 s pull leaves margin."""
     faults = Faults(app.name)
     faults.degrade_link(WAN, bandwidth_mbps=WAN_MBPS / 4)
     yield
@@ -139,8 +140,8 @@ def assert_relayed_then_handed_over(journey, max_tokens):
 
 
 @pytest.mark.parametrize("mode", ["one_shot", "catch_up", "auto"])
-def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, mode):
-    # long enough that the relay is still going when MD holds the KV (~2 s)
+def test_relay_and_handoff_give_the_colocated_tokens(app, knobs, slow_wan, mode):
+    # long enough that the relay is still going when MD holds the KV (~8 s on the slowed WAN)
     knobs(handoff={"mode": mode, "catch_up_threshold_tokens": 32, "relay_cap_tokens": 2048})
     prompt_a, prompt_b = fresh(LONG), fresh(LONG)
     text_a, journey = completion(app, prompt_a, OUT)
