@@ -3,7 +3,8 @@
 One app: 1 P + 1 RLD in dc-a, 2 MD in dc-b, a 40 Mbit/s WAN: a 2400-token
 prompt's KV takes ~2 s to cross, while RLD decodes ~85 tokens/s (~180 tokens
 during that pull), so a 1600-token answer's relay really relays and hands over,
-even on a WAN slowed to a quarter (`slow_wan`: ~700 relayed tokens).
+even on a WAN slowed to a quarter (`slow_wan`: an ~8 s pull, some 700 tokens
+at that rate).
 """
 
 from __future__ import annotations
