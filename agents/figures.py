@@ -180,5 +180,6 @@ def worst_tpot_pipeline(snap: Snapshot) -> str | None:
 
 P_MD = Pipeline.p_md.value
 P_RLD_MD = Pipeline.p_rld_md.value
+P_P_MD = Pipeline.p_p_md.value
 #: Pipelines whose tokens after the first come from a relay (RLD, or P while no RLD is alive).
-RELAYED = (P_RLD_MD, Pipeline.p_rld.value, Pipeline.p_p_md.value)
+RELAYED = (P_RLD_MD, Pipeline.p_rld.value, P_P_MD)

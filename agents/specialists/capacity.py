@@ -1,7 +1,10 @@
 """Capacity specialist: P:RLD:MD replica counts, one replica at a time, cost-aware.
 
 Which role a situation asks for:
-- TTFT breach: prefill (TTFT is P's queue plus prefill);
+- TTFT breach: prefill (TTFT is P's queue plus prefill); none while the
+  window holds requests P relayed for lack of a live relay decoder (P-P-MD):
+  P's time then went to decoding them too, which the relay's replacement
+  ends, and a notice says so;
 - TPOT breach: main decode, or relay decode when relayed requests (P-RLD-MD,
   P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed
   requests are slow and both decoders are idle (a notice says why: the
@@ -74,7 +77,7 @@ def _frozen(view: View) -> set[RoleName]:
 
 def _role_for(view: View, s: Situation) -> RoleName | None:
     if s.name == TTFT_BREACH:
-        return RoleName.prefill
+        return None if _relayed_by_prefill(view) else RoleName.prefill
     if s.name == RLD_OVERLOAD:
         return RoleName.relay_decode
     if s.name == TPOT_BREACH:
@@ -118,6 +121,23 @@ def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
         f"only relayed requests are slow ({worst} {per[worst] * 1000:.0f} ms, {md_text}) and neither decoder is busy: "
         "their tokens wait for the relay's KV pull and the handoff, which a replica more would not shorten; a person checks",
         "a person follows runbooks/" + s.name + ".md",
+    )
+
+
+def _relayed_by_prefill(view: View) -> float:
+    """Requests per second of the window P relayed itself because no relay decoder was alive (P-P-MD)."""
+    return view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
+
+
+def _relay_outage_ttft_notice(view: View, s: Situation) -> Proposal:
+    share = _relayed_by_prefill(view) / view.snap.request_rate
+    return view.propose(
+        NAME, s, notice_target(s.key), None, s.summary,
+        f"{share:.0%} of the window's requests went {f.P_P_MD}: with no relay decoder alive, prefill decoded them "
+        "beside its prompts, so this TTFT does not measure prefill capacity; the relay's replacement ends it, and the "
+        "breach is judged again once the window holds no such request; a person checks",
+        "a person follows runbooks/" + s.name + ".md and runbooks/" + REPLICA_CRASH + ".md",
+        [Evidence(query=view.snap.query("request_rate_by_pipeline"), value=_relayed_by_prefill(view), note=f"{f.P_P_MD} requests/s")],
     )
 
 
@@ -255,7 +275,7 @@ def _down(view: View, s: Situation, frozen: set[RoleName]) -> Proposal | None:
 
 def propose(view: View) -> list[Proposal]:
     """At most one replica plan per tick (one change, or one move), for the most severe situation that asks for one;
-    and a notice for a TPOT breach no replica would ease."""
+    and a notice for a TPOT or TTFT breach no replica would ease."""
     frozen = _frozen(view)
     notices = []
     for s in sorted(view.mine(NAME), key=lambda s: -s.severity):
@@ -269,6 +289,8 @@ def propose(view: View) -> list[Proposal]:
             plan = _up(view, s, role, frozen) if role is not None else []
             if role is None and s.name == TPOT_BREACH:
                 notices.append(_relayed_tpot_notice(view, s))
+            elif role is None and s.name == TTFT_BREACH:
+                notices.append(_relay_outage_ttft_notice(view, s))
         if plan:
             return notices + plan
     return notices

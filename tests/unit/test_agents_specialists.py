@@ -240,6 +240,35 @@ def test_capacity_freezes_a_crashing_role():
     assert not [p for p in propose_all(snap) if p.specialist == "capacity"]
 
 
+RELAY_OUTAGE = dict(
+    CASES["ttft_slo_breach"],
+    request_rate_by_pipeline={"P-MD": 4.0, "P-P-MD": 1.0},
+    replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 0.0, "MainDecode": 2.0},
+    health_check_failures_by_deployment={"RelayDecode": 1.0},
+)
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # the relay decoder is down now
+    {"replicas_healthy_by_deployment": {"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 2.0},
+     "health_check_failures_by_deployment": {}},  # it is back, but the window still holds the outage's requests
+])
+def test_a_ttft_breach_while_prefill_relays_for_a_dead_relay_buys_no_prefill_replica(fields):
+    snap = healthy_snapshot(**{**RELAY_OUTAGE, **fields})
+    [notice] = [p for p in propose_all(snap) if p.situation == "ttft_slo_breach"]
+    assert (notice.specialist, notice.change.target) == ("capacity", "notice.ttft_slo_breach")
+    assert "20% of the window's requests went P-P-MD" in notice.reason
+    assert [e.value for e in notice.evidence if e.note == "P-P-MD requests/s"] == [1.0]
+    assert not [p for p in propose_all(snap) if p.change.target.startswith("replicas.")]
+
+
+def test_a_ttft_breach_once_the_window_holds_no_request_prefill_relayed_grows_prefill():
+    clear = healthy_snapshot(**{**RELAY_OUTAGE, "request_rate_by_pipeline": {"P-MD": 4.0, "P-RLD-MD": 1.0},
+                                "replicas_healthy_by_deployment": {"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 2.0},
+                                "health_check_failures_by_deployment": {}})
+    assert [(p.specialist, p.change.target) for p in propose_all(clear)] == [("capacity", "replicas.prefill")]
+
+
 def test_capacity_uses_the_twin_what_if_and_prefers_cheap_plans():
     asked = []
 
