@@ -1,10 +1,10 @@
 """Capacity specialist: P:RLD:MD replica counts, one replica at a time, cost-aware.
 
 Which role a situation asks for:
-- TTFT breach: prefill (TTFT is P's queue plus prefill); none while the
-  window holds requests P relayed for lack of a live relay decoder (P-P-MD):
-  P's time then went to decoding them too, which the relay's replacement
-  ends, and a notice says so;
+- TTFT breach: prefill (TTFT is P's queue plus prefill); none while P
+  relays for want of a live relay decoder (P-P-MD), or the window still holds
+  such requests: P's time then goes to decoding them too, which the relay's
+  replacement ends, and a notice says so;
 - TPOT breach: main decode, or relay decode when relayed requests (P-RLD-MD,
   P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed
   requests are slow and both decoders are idle (a notice says why: the
@@ -77,7 +77,7 @@ def _frozen(view: View) -> set[RoleName]:
 
 def _role_for(view: View, s: Situation) -> RoleName | None:
     if s.name == TTFT_BREACH:
-        return None if _relayed_by_prefill(view) else RoleName.prefill
+        return None if _prefill_relayed(view) else RoleName.prefill
     if s.name == RLD_OVERLOAD:
         return RoleName.relay_decode
     if s.name == TPOT_BREACH:
@@ -124,20 +124,32 @@ def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
     )
 
 
-def _relayed_by_prefill(view: View) -> float:
-    """Requests per second of the window P relayed itself because no relay decoder was alive (P-P-MD)."""
-    return view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
+def _no_relay_alive(view: View) -> bool:
+    """Whether prefill relays now (P-P-MD): a relay decoder is deployed, none is healthy, and the knob lets P relay."""
+    if view.config.roles.relay_decode is None or not view.knob("routing.prefill_relays"):
+        return False
+    return view.snap.replicas_healthy_by_deployment.get(f.deployment(RoleName.relay_decode)) == 0
+
+
+def _prefill_relayed(view: View) -> bool:
+    """Whether P relays now, or relayed requests in the window, for want of a live relay decoder."""
+    return _no_relay_alive(view) or view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0) > 0
 
 
 def _relay_outage_ttft_notice(view: View, s: Situation) -> Proposal:
-    share = _relayed_by_prefill(view) / view.snap.request_rate
+    relayed = view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
+    why = []
+    if _no_relay_alive(view):
+        why.append(f"no relay decoder is alive, so prefill relays the requests it would hand to one ({f.P_P_MD})")
+    if relayed > 0:
+        why.append(f"{relayed / view.snap.request_rate:.0%} of the window's requests went {f.P_P_MD}")
     return view.propose(
         NAME, s, notice_target(s.key), None, s.summary,
-        f"{share:.0%} of the window's requests went {f.P_P_MD}: with no relay decoder alive, prefill decoded them "
-        "beside its prompts, so this TTFT does not measure prefill capacity; the relay's replacement ends it, and the "
-        "breach is judged again once the window holds no such request; a person checks",
+        "; ".join(why) + ": prefill decodes beside its prompts, so this TTFT does not measure prefill capacity; the relay's "
+        f"replacement ends it, and the breach is judged again once a relay decoder is alive and the window holds no "
+        f"{f.P_P_MD} request; a person checks",
         "a person follows runbooks/" + s.name + ".md and runbooks/" + REPLICA_CRASH + ".md",
-        [Evidence(query=view.snap.query("request_rate_by_pipeline"), value=_relayed_by_prefill(view), note=f"{f.P_P_MD} requests/s")],
+        [Evidence(query=view.snap.query("request_rate_by_pipeline"), value=relayed, note=f"{f.P_P_MD} requests/s")],
     )
 
 

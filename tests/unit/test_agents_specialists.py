@@ -246,27 +246,36 @@ RELAY_OUTAGE = dict(
     replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 0.0, "MainDecode": 2.0},
     health_check_failures_by_deployment={"RelayDecode": 1.0},
 )
+RELAY_BACK = dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 2.0}, health_check_failures_by_deployment={})
+NO_P_P_MD = dict(request_rate_by_pipeline={"P-MD": 4.0, "P-RLD-MD": 1.0})
 
 
-@pytest.mark.parametrize("fields", [
-    {},  # the relay decoder is down now
-    {"replicas_healthy_by_deployment": {"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 2.0},
-     "health_check_failures_by_deployment": {}},  # it is back, but the window still holds the outage's requests
+@pytest.mark.parametrize("fields, why", [
+    ({}, "no relay decoder is alive, so prefill relays the requests it would hand to one (P-P-MD); "
+         "20% of the window's requests went P-P-MD: "),
+    (RELAY_BACK, "20% of the window's requests went P-P-MD: "),  # back, but the window still holds the outage's requests
+    (NO_P_P_MD, "no relay decoder is alive, so prefill relays the requests it would hand to one (P-P-MD): "),  # none finished yet
 ])
-def test_a_ttft_breach_while_prefill_relays_for_a_dead_relay_buys_no_prefill_replica(fields):
+def test_a_ttft_breach_while_prefill_relays_for_a_dead_relay_buys_no_prefill_replica(fields, why):
     snap = healthy_snapshot(**{**RELAY_OUTAGE, **fields})
-    [notice] = [p for p in propose_all(snap) if p.situation == "ttft_slo_breach"]
+    proposals = propose_all(snap)
+    [notice] = [p for p in proposals if p.situation == "ttft_slo_breach"]
     assert (notice.specialist, notice.change.target) == ("capacity", "notice.ttft_slo_breach")
-    assert "20% of the window's requests went P-P-MD" in notice.reason
-    assert [e.value for e in notice.evidence if e.note == "P-P-MD requests/s"] == [1.0]
-    assert not [p for p in propose_all(snap) if p.change.target.startswith("replicas.")]
+    assert notice.reason.startswith(why)
+    assert [e.value for e in notice.evidence if e.note == "P-P-MD requests/s"] == [snap.request_rate_by_pipeline.get("P-P-MD", 0.0)]
+    assert not [p for p in proposals if p.change.target.startswith("replicas.")]
 
 
-def test_a_ttft_breach_once_the_window_holds_no_request_prefill_relayed_grows_prefill():
-    clear = healthy_snapshot(**{**RELAY_OUTAGE, "request_rate_by_pipeline": {"P-MD": 4.0, "P-RLD-MD": 1.0},
-                                "replicas_healthy_by_deployment": {"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 2.0},
-                                "health_check_failures_by_deployment": {}})
-    assert [(p.specialist, p.change.target) for p in propose_all(clear)] == [("capacity", "replicas.prefill")]
+@pytest.mark.parametrize("fields, knobs", [
+    ({**NO_P_P_MD, **RELAY_BACK}, {}),  # the outage has left the window
+    (NO_P_P_MD, {"prefill_relays": False}),  # P does not relay: the dead relay's requests go P-MD
+])
+def test_a_ttft_breach_with_prefill_not_relaying_grows_prefill(fields, knobs):
+    config = pdd_config()
+    live = config.live_knobs()
+    live = live.model_copy(update={"routing": live.routing.model_copy(update=knobs)})
+    proposals = propose_all(healthy_snapshot(**{**RELAY_OUTAGE, **fields}), knobs=live)
+    assert ("capacity", "replicas.prefill") in [(p.specialist, p.change.target) for p in proposals]
 
 
 def test_capacity_uses_the_twin_what_if_and_prefers_cheap_plans():
