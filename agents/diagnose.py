@@ -30,6 +30,7 @@ TPOT_BREACH = "tpot_slo_breach"
 LEASE_LEAK = "kv_lease_leak"
 REPLICA_CRASH = "replica_crash"
 OVER_PROVISIONED = "over_provisioned"
+PREFILL_RELAYING = "prefill_relaying"
 
 #: Situation -> the specialists that act on it (agents/specialists/).
 SPECIALISTS: dict[str, tuple[str, ...]] = {
@@ -43,6 +44,7 @@ SPECIALISTS: dict[str, tuple[str, ...]] = {
     LEASE_LEAK: ("clerk",),
     REPLICA_CRASH: ("clerk",),
     OVER_PROVISIONED: ("capacity",),
+    PREFILL_RELAYING: ("capacity",),
 }
 SITUATIONS = tuple(SPECIALISTS)
 
@@ -94,7 +96,8 @@ class Situation(BaseModel):
     """What it is about: a link, a deployment; empty for the whole app."""
     summary: str
     severity: int = 1
-    """0: recovered (knobs go back to intent), 1: warning, 2: SLO at stake."""
+    """0: asks for no change by itself (a recovery: knobs go back to intent; spare capacity; prefill relaying),
+    1: warning, 2: SLO at stake."""
     figure: float | None = None
     """The value its thresholds compare (higher is worse); None where several do."""
     evidence: list[Evidence]
@@ -129,7 +132,7 @@ class _Diagnosis:
         return self.snap.query(name)
 
     def run(self) -> list[Situation]:
-        for check in (self.rld, self.saturation, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash):
+        for check in (self.rld, self.saturation, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash, self.prefill_relaying):
             check()
         if not any(s.severity for s in self.found):
             self.spare()
@@ -282,6 +285,22 @@ class _Diagnosis:
                     Evidence(query=self.q("replicas_target_by_deployment"), value=target, note=dep),
                     Evidence(query=self.q("health_check_failures_by_deployment"), value=fails, note=dep),
                 ], subject=dep, severity=2)
+
+    def prefill_relaying(self) -> None:
+        """P relays (P-P-MD) for want of a live relay decoder, or the window still holds requests it relayed."""
+        rld = f.deployment(RoleName.relay_decode)
+        healthy = self.snap.replicas_healthy_by_deployment.get(rld)
+        relays_now = self.config.roles.relay_decode is not None and get_knob(self.knobs, "routing.prefill_relays") and healthy == 0
+        relayed = self.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
+        if not (relays_now or relayed > 0):
+            return
+        share = relayed / self.snap.request_rate if relayed > 0 else 0.0
+        summary = (f"no relay decoder alive: prefill relays ({f.P_P_MD}), {share:.0%} of the window's requests so far" if relays_now
+                   else f"{share:.0%} of the window's requests went {f.P_P_MD} while no relay decoder was alive")
+        self.add(PREFILL_RELAYING, summary, [
+            Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, note=rld),
+            Evidence(query=self.q("request_rate_by_pipeline"), value=relayed, note=f"{f.P_P_MD} requests/s"),
+        ], severity=0, figure=share)
 
     def grown_within(self, role: RoleName, seconds: float) -> bool:
         """Whether the agents added a replica of `role` in the last `seconds`."""

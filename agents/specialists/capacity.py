@@ -1,10 +1,11 @@
 """Capacity specialist: P:RLD:MD replica counts, one replica at a time, cost-aware.
 
 Which role a situation asks for:
-- TTFT breach: prefill (TTFT is P's queue plus prefill); none while P
-  relays for want of a live relay decoder (P-P-MD), or the window still holds
-  such requests: P's time then goes to decoding them too, which the relay's
-  replacement ends, and a notice says so;
+- TTFT breach: prefill (TTFT is P's queue plus prefill); none for a breach
+  that began while prefill relays for want of a live relay decoder (P-P-MD,
+  or the window still holds such requests): P's time then goes to decoding
+  them too, which the relay's replacement ends, and a notice says so. A
+  breach seen before that is load, and grows prefill as usual;
 - TPOT breach: main decode, or relay decode when relayed requests (P-RLD-MD,
   P-RLD, P-P-MD) are the slow ones and RLD is busy; neither when only relayed
   requests are slow and both decoders are idle (a notice says why: the
@@ -43,6 +44,7 @@ from agents.diagnose import (
     IDLE_LOAD,
     MD_HIT_BEHIND,
     OVER_PROVISIONED,
+    PREFILL_RELAYING,
     REPLICA_CRASH,
     RLD_LOAD,
     RLD_OVERLOAD,
@@ -77,7 +79,7 @@ def _frozen(view: View) -> set[RoleName]:
 
 def _role_for(view: View, s: Situation) -> RoleName | None:
     if s.name == TTFT_BREACH:
-        return None if _prefill_relayed(view) else RoleName.prefill
+        return None if _began_while_prefill_relays(view, s) else RoleName.prefill
     if s.name == RLD_OVERLOAD:
         return RoleName.relay_decode
     if s.name == TPOT_BREACH:
@@ -124,32 +126,25 @@ def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
     )
 
 
-def _no_relay_alive(view: View) -> bool:
-    """Whether prefill relays now (P-P-MD): a relay decoder is deployed, none is healthy, and the knob lets P relay."""
-    if view.config.roles.relay_decode is None or not view.knob("routing.prefill_relays"):
-        return False
-    return view.snap.replicas_healthy_by_deployment.get(f.deployment(RoleName.relay_decode)) == 0
+def _prefill_relaying(view: View) -> Situation | None:
+    return next((r for r in view.situations if r.name == PREFILL_RELAYING), None)
 
 
-def _prefill_relayed(view: View) -> bool:
-    """Whether P relays now, or relayed requests in the window, for want of a live relay decoder."""
-    return _no_relay_alive(view) or view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0) > 0
+def _began_while_prefill_relays(view: View, s: Situation) -> bool:
+    """Whether breach `s` has lasted no longer than prefill has been relaying: a breach that was there before is load."""
+    relaying = _prefill_relaying(view)
+    return relaying is not None and s.streak <= relaying.streak
 
 
 def _relay_outage_ttft_notice(view: View, s: Situation) -> Proposal:
-    relayed = view.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
-    why = []
-    if _no_relay_alive(view):
-        why.append(f"no relay decoder is alive, so prefill relays the requests it would hand to one ({f.P_P_MD})")
-    if relayed > 0:
-        why.append(f"{relayed / view.snap.request_rate:.0%} of the window's requests went {f.P_P_MD}")
+    relaying = _prefill_relaying(view)
     return view.propose(
         NAME, s, notice_target(s.key), None, s.summary,
-        "; ".join(why) + ": prefill decodes beside its prompts, so this TTFT does not measure prefill capacity; the relay's "
-        f"replacement ends it, and the breach is judged again once a relay decoder is alive and the window holds no "
-        f"{f.P_P_MD} request; a person checks",
-        "a person follows runbooks/" + s.name + ".md and runbooks/" + REPLICA_CRASH + ".md",
-        [Evidence(query=view.snap.query("request_rate_by_pipeline"), value=relayed, note=f"{f.P_P_MD} requests/s")],
+        f"{relaying.summary}; the breach began since ({s.streak} of {relaying.streak} ticks): prefill decodes beside its "
+        "prompts, so this TTFT does not measure prefill capacity; the relay's replacement ends it, and the breach is "
+        f"judged again once prefill no longer relays and the window holds no {f.P_P_MD} request; a person checks",
+        "a person follows runbooks/" + s.name + ".md and runbooks/" + PREFILL_RELAYING + ".md",
+        relaying.evidence,
     )
 
 

@@ -93,7 +93,14 @@ SCENARIOS: dict[str, Levels] = {
     "wan_saturated": replace(HEALTHY, leases_gone={WAN: 0.1}),
     "replica_crash": replace(HEALTHY, replicas={**HEALTHY.replicas, "MainDecode": (2, 1)}, health_failures_rps={"MainDecode": 0.2}),
     "over_provisioned": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "MainDecode": 10.0}),
+    "prefill_relaying": replace(HEALTHY, rps={"P-MD": 4.0, "P-P-MD": 1.0}, ttft_s={"P-MD": 0.5, "P-P-MD": 0.5},
+                                tpot_s={"P-MD": 0.02, "P-P-MD": 0.02}, gap_s={"P-MD": 0.2, "P-P-MD": 0.2}),
 }
+RELAY_OUTAGE_TTFT = replace(
+    SCENARIOS["prefill_relaying"], ttft_s={"P-MD": 4.0, "P-P-MD": 4.0}, violations={"ttft": 4.5},
+    replicas={**HEALTHY.replicas, "RelayDecode": (1, 0)},
+)
+"""The relay decoder dead, prefill relaying, and TTFT over its target."""
 
 
 def _hist_name(spec: MetricSpec) -> str:

@@ -33,7 +33,7 @@ from agents.runner import Swarm
 from app.config import LiveKnobs, RoleName
 from app.metrics import prom_name
 from app.prometheus import binary
-from tests.integration.agents_fixtures import HEALTHY, SCENARIOS, WAN, LabelledPrometheus, ScriptedExporter, healthy_snapshot, pdd_config
+from tests.integration.agents_fixtures import HEALTHY, RELAY_OUTAGE_TTFT, SCENARIOS, WAN, LabelledPrometheus, ScriptedExporter, healthy_snapshot, pdd_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(binary() is None, reason="prometheus binary not installed")]
 
@@ -52,6 +52,7 @@ EXPECTED = {
     "wan_saturated": [("clerk", "notice.wan_saturated:dc-a->dc-b", None, None)],
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
+    "prefill_relaying": [],  # asks for no change by itself
 }
 
 
@@ -63,7 +64,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
-    exporters = {name: ScriptedExporter(levels) for name, levels in {**SCENARIOS, "healthy": HEALTHY, "regress": SCENARIOS["ttft_slo_breach"]}.items()}
+    exporters = {name: ScriptedExporter(levels) for name, levels in {**SCENARIOS, "healthy": HEALTHY, "regress": SCENARIOS["ttft_slo_breach"], "relay_outage_ttft": RELAY_OUTAGE_TTFT}.items()}
     prom = LabelledPrometheus({n: e.target for n, e in exporters.items()}, port=_free_port(), scrape_interval_s=1, workdir=tmp_path_factory.mktemp("prometheus"))
     prom.start()
     try:
@@ -125,6 +126,20 @@ def test_situation_gets_the_right_change_and_an_entry(scenario, prometheus, tmp_
     knob_targets = [t for _, t, _, _ in EXPECTED[scenario] if not t.startswith(("notice.", "replicas."))]
     for target in knob_targets:
         assert get_knob(actuator.knobs, target) == pytest.approx(accepted[target]["proposal"]["change"]["new"])
+
+
+def test_a_ttft_breach_while_prefill_relays_files_a_notice_not_a_prefill_replica(prometheus, tmp_path):
+    prom, _ = prometheus
+    _, actuator, opened = scenario_swarm(tmp_path, prom, "relay_outage_ttft")
+    with opened as swarm:
+        state = swarm.tick()
+    assert not state.get("error"), state.get("error")
+    assert {s["name"] for s in state["situations"]} == {"ttft_slo_breach", "prefill_relaying", "replica_crash"}
+    accepted = {d["proposal"]["change"]["target"]: d["proposal"] for d in state["decisions"] if d["status"] == "accepted"}
+    assert accepted["notice.ttft_slo_breach"]["specialist"] == "capacity"
+    assert accepted["notice.ttft_slo_breach"]["reason"].startswith("no relay decoder alive: prefill relays (P-P-MD), 20% of")
+    assert "notice.replica_crash:RelayDecode" in accepted
+    assert not [t for t in accepted if t.startswith("replicas.")] and actuator.calls == []
 
 
 def test_healthy_cluster_changes_nothing(prometheus, tmp_path):

@@ -29,6 +29,7 @@ CASES = {
     "wan_saturated": dict(kv_failure_rate_by_link={WAN: 0.5}, kv_lease_gone_rate_by_link={WAN: 0.5}),
     "replica_crash": dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 1.0}, health_check_failures_by_deployment={"MainDecode": 1.0}),
     "over_provisioned": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 10.0}),
+    "prefill_relaying": dict(request_rate_by_pipeline={"P-MD": 4.0, "P-P-MD": 1.0}),
 }
 
 #: Situation -> (specialist, target, old, new) it must propose under the default knobs.
@@ -43,6 +44,7 @@ EXPECTED = {
     "wan_saturated": [("clerk", "notice.wan_saturated:dc-a->dc-b", None, None)],
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
+    "prefill_relaying": [],  # asks for no change by itself
 }
 
 
@@ -52,10 +54,12 @@ def situations_of(snap, knobs=None, memory=None, config=None):
     return found
 
 
-def propose_all(snap, knobs=None, replicas=None, what_if=None, config=None):
+def propose_all(snap, knobs=None, replicas=None, what_if=None, config=None, memory=None):
     config = config or pdd_config()
     knobs = knobs or config.live_knobs()
-    view = View(snap=snap, config=config, agents=config.agents, knobs=knobs, replicas=dict(replicas or REPLICAS), situations=situations_of(snap, knobs, config=config), memory=Memory(), what_if=what_if)
+    memory = memory or Memory()
+    view = View(snap=snap, config=config, agents=config.agents, knobs=knobs, replicas=dict(replicas or REPLICAS),
+                situations=situations_of(snap, knobs, memory, config), memory=memory, what_if=what_if)
     out = []
     for fn in ALL.values():
         out += fn(View(**{**view.__dict__, "proposals": list(out)}))
@@ -250,31 +254,35 @@ RELAY_BACK = dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode":
 NO_P_P_MD = dict(request_rate_by_pipeline={"P-MD": 4.0, "P-RLD-MD": 1.0})
 
 
-@pytest.mark.parametrize("fields, why", [
-    ({}, "no relay decoder is alive, so prefill relays the requests it would hand to one (P-P-MD); "
-         "20% of the window's requests went P-P-MD: "),
-    (RELAY_BACK, "20% of the window's requests went P-P-MD: "),  # back, but the window still holds the outage's requests
-    (NO_P_P_MD, "no relay decoder is alive, so prefill relays the requests it would hand to one (P-P-MD): "),  # none finished yet
+@pytest.mark.parametrize("fields, summary", [
+    ({}, "no relay decoder alive: prefill relays (P-P-MD), 20% of the window's requests so far"),
+    (RELAY_BACK, "20% of the window's requests went P-P-MD while no relay decoder was alive"),  # the outage's requests linger
+    (NO_P_P_MD, "no relay decoder alive: prefill relays (P-P-MD), 0% of the window's requests so far"),  # none finished yet
 ])
-def test_a_ttft_breach_while_prefill_relays_for_a_dead_relay_buys_no_prefill_replica(fields, why):
+def test_a_ttft_breach_that_began_while_prefill_relays_buys_no_prefill_replica(fields, summary):
     snap = healthy_snapshot(**{**RELAY_OUTAGE, **fields})
+    [relaying] = [s for s in situations_of(snap) if s.name == "prefill_relaying"]
+    assert relaying.summary == summary and relaying.severity == 0
     proposals = propose_all(snap)
     [notice] = [p for p in proposals if p.situation == "ttft_slo_breach"]
     assert (notice.specialist, notice.change.target) == ("capacity", "notice.ttft_slo_breach")
-    assert notice.reason.startswith(why)
-    assert [e.value for e in notice.evidence if e.note == "P-P-MD requests/s"] == [snap.request_rate_by_pipeline.get("P-P-MD", 0.0)]
+    assert notice.reason.startswith(f"{summary}; the breach began since (1 of 1 ticks)")
     assert not [p for p in proposals if p.change.target.startswith("replicas.")]
+    # ticks later, both still on: the breach still began while prefill relayed
+    later = Memory(streaks={"ttft_slo_breach": 4, "prefill_relaying": 5})
+    assert not [p for p in propose_all(snap, memory=later) if p.change.target.startswith("replicas.")]
 
 
-@pytest.mark.parametrize("fields, knobs", [
-    ({**NO_P_P_MD, **RELAY_BACK}, {}),  # the outage has left the window
-    (NO_P_P_MD, {"prefill_relays": False}),  # P does not relay: the dead relay's requests go P-MD
+@pytest.mark.parametrize("fields, knobs, streaks", [
+    ({**NO_P_P_MD, **RELAY_BACK}, {}, {}),  # the outage has left the window
+    (NO_P_P_MD, {"prefill_relays": False}, {}),  # P does not relay: the dead relay's requests go P-MD
+    ({}, {}, {"ttft_slo_breach": 2, "prefill_relaying": 1}),  # the breach was there before P relayed: load
 ])
-def test_a_ttft_breach_with_prefill_not_relaying_grows_prefill(fields, knobs):
+def test_a_ttft_breach_that_is_not_the_relay_outage_s_grows_prefill(fields, knobs, streaks):
     config = pdd_config()
     live = config.live_knobs()
     live = live.model_copy(update={"routing": live.routing.model_copy(update=knobs)})
-    proposals = propose_all(healthy_snapshot(**{**RELAY_OUTAGE, **fields}), knobs=live)
+    proposals = propose_all(healthy_snapshot(**{**RELAY_OUTAGE, **fields}), knobs=live, memory=Memory(streaks=streaks))
     assert ("capacity", "replicas.prefill") in [(p.specialist, p.change.target) for p in proposals]
 
 
