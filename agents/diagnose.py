@@ -273,7 +273,7 @@ class _Diagnosis:
     def crash(self) -> None:
         for role in self.config.roles.present():
             dep = f.deployment(role)
-            healthy = self.snap.replicas_healthy_by_deployment.get(dep)
+            healthy = f.healthy_replicas(self.snap, dep)
             target = self.snap.replicas_target_by_deployment.get(dep)
             fails = self.snap.health_check_failures_by_deployment.get(dep, 0.0)
             key = f"{REPLICA_CRASH}:{dep}"
@@ -289,7 +289,7 @@ class _Diagnosis:
     def prefill_relaying(self) -> None:
         """P relays (P-P-MD) for want of a live relay decoder, or the window still holds requests it relayed."""
         rld = f.deployment(RoleName.relay_decode)
-        healthy = self.snap.replicas_healthy_by_deployment.get(rld)
+        healthy = f.healthy_replicas(self.snap, rld)
         relays_now = self.config.roles.relay_decode is not None and get_knob(self.knobs, "routing.prefill_relays") and healthy == 0
         relayed = self.snap.request_rate_by_pipeline.get(f.P_P_MD, 0.0)
         if not (relays_now or relayed > 0):

@@ -40,6 +40,17 @@ def deployment(role: RoleName) -> str:
     return DEPLOYMENT_NAMES[role]
 
 
+def healthy_replicas(snap: Snapshot, dep: str) -> float | None:
+    """Healthy replicas of Serve deployment `dep`; None when Serve reports nothing of it.
+
+    Serve exports one healthy series per live replica, so a deployment that has a
+    target but no series has no replica alive (its only one died, the next is not up)."""
+    healthy = snap.replicas_healthy_by_deployment.get(dep)
+    if healthy is None and snap.replicas_target_by_deployment.get(dep):
+        return 0.0
+    return healthy
+
+
 def role_load(snap: Snapshot, config: PDDConfig, role: RoleName) -> float | None:
     """Requests in progress per batch slot across a role's healthy replicas (0..1+)."""
     rc = config.roles.get(role)

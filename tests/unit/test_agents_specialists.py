@@ -151,6 +151,16 @@ def test_a_replica_the_agents_just_added_is_starting_not_crashed_nor_idle():
     assert [s.name for s in situations_of(idle, memory=settled)] == ["over_provisioned"]
 
 
+def test_a_deployment_whose_only_replica_died_has_no_healthy_series_and_counts_as_crashed():
+    # seen on make run: between the dead relay decoder and its replacement Serve exports no healthy series for it
+    gone = healthy_snapshot(replicas_healthy_by_deployment={"Prefill": 1.0, "MainDecode": 2.0, "Conductor": 1.0})
+    assert {s.key for s in situations_of(gone)} == {"replica_crash:RelayDecode", "prefill_relaying"}
+    [relaying] = [s for s in situations_of(gone) if s.name == "prefill_relaying"]
+    assert relaying.summary.startswith("no relay decoder alive")
+    unknown = healthy_snapshot(replicas_healthy_by_deployment={}, replicas_target_by_deployment={})  # Serve reports nothing
+    assert situations_of(unknown) == []
+
+
 def test_leases_are_explained_by_the_requests_of_the_last_lease_lifetime():
     # a new app's first minutes under load: the rate over the 300 s window under-reads the young series
     burst = dict(leases_live=150.0, leases_slope=1.0, request_rate_by_pipeline={"P-RLD-MD": 0.9})
