@@ -210,6 +210,7 @@ class LinkRelay:
         self._live: set[asyncio.StreamWriter] = set()
         self._free_at = 0.0  # when the link's bandwidth is next free (pulls share it)
         self._stalled_until = 0.0
+        self._stall_lifted = asyncio.Event()  # wakes transfers held by a stall that `restore` ended
 
     async def start(self) -> int:
         if self._server is None:
@@ -239,11 +240,13 @@ class LinkRelay:
         """End any cut, stall or degradation."""
         self._cut.until = 0.0
         self._stalled_until = 0.0
+        self._stall_lifted.set()
         self.model = self._configured
 
     def stall(self, seconds: float) -> None:
         """Hold every transfer's data for `seconds`; connections stay open (a congested path)."""
         self._stalled_until = time.monotonic() + seconds
+        self._stall_lifted.clear()
 
     @property
     def is_cut(self) -> bool:
@@ -296,8 +299,9 @@ class LinkRelay:
             elif chunks == 1 and stall_s:
                 await asyncio.sleep(stall_s)
             chunks += 1
-            if self._stalled_until > time.monotonic():
-                await asyncio.sleep(self._stalled_until - time.monotonic())
+            if (held_s := self._stalled_until - time.monotonic()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stall_lifted.wait(), held_s)
             now = time.monotonic()
             # pulls share the bandwidth: each chunk queues behind what is already on the wire
             start = max(now, self._free_at)

@@ -269,6 +269,22 @@ def test_a_degraded_link_paces_to_its_new_figures_until_restored(source):
         relay.close()
 
 
+def test_restoring_a_stalled_link_releases_the_transfers_it_held(source):
+    """`pdd fault restore` ends a stall for the pulls already waiting on it, not only for new ones."""
+    _, layout, leases, server = source
+    leases.add("l", list(range(4)), consumers=1, ttl_s=60)
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1))
+    try:
+        relay.loop.call_soon_threadsafe(relay.relay.stall, 60)
+        threading.Timer(0.5, relay.loop.call_soon_threadsafe, args=(relay.relay.restore,)).start()
+        t0 = time.monotonic()
+        result = pull_blocks(spec(server, "l", list(range(4)), list(range(4)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(4), NUM_BLOCKS), 2, 90)
+        assert result.ok
+        assert 0.5 <= time.monotonic() - t0 < 30  # held until the restore, not for the stall's 60 s
+    finally:
+        relay.close()
+
+
 def test_cutting_the_link_mid_transfer_reports_unwritten_blocks(source):
     _, layout, leases, server = source
     leases.add("l", list(range(12)), consumers=1, ttl_s=30)
