@@ -7,6 +7,7 @@ so other `pdd` commands start without them.
 from __future__ import annotations
 
 import getpass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import typer
@@ -64,6 +65,7 @@ def run(
     with Swarm.open(config, app_name=app_name, mode=mode) as swarm:
         if new_cluster:
             swarm.deps.memory.forget()
+        swarm.begin_run(app_name, new_cluster=new_cluster)
         console.print(f"agents: {swarm.agents.mode.value} mode, Prometheus {swarm.agents.prometheus_url}, Serve app '{app_name}' via {swarm.agents.dashboard_url}, router: {swarm.deps.router.name}")
         try:
             swarm.run(once=once, on_tick=_print_tick)
@@ -131,20 +133,34 @@ def reject(
     _decide(tick, config_path, False, by, note)
 
 
+_NO_ROW_YET = object()
+
+
 @agents_cli.command("history")
 def history(config_path: Path = ConfigOption, limit: int = typer.Option(20, help="How many ticks, newest first")) -> None:
     """Recent ticks: situations, decisions, what was applied, verification outcomes."""
+    from agents.memory import run_of
     from agents.runner import Swarm
 
     config, app_name = _load(config_path)
     with Swarm.open(config, app_name=app_name, mode=AgentMode.advise) as swarm:
-        rows = swarm.history(limit)
+        rows, runs = swarm.history(limit), swarm.runs()
     if not rows:
         console.print("no ticks recorded yet")
         return
     table = Table("tick", "mode", "status", "situations", "decisions / applied / verified")
     table.columns[0].no_wrap = True
+    shown_run: dict | None | object = _NO_ROW_YET
     for r in rows:
+        run = run_of(r["at"], runs)
+        if run is not shown_run:  # newest first: each run's ticks under a line naming the run
+            if shown_run is not _NO_ROW_YET:
+                table.add_section()
+            if run is not None:
+                started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+                table.add_row(f"[bold]run of {started}[/bold]", run["mode"], f"app '{run['app']}'", "-",
+                              "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over", style="dim")
+            shown_run = run
         detail = "\n".join([*r.get("decisions", []), *(f"applied {a}" for a in r.get("applied", [])), *(f"verified {v}" for v in r.get("verdicts", []))])
         table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""), ", ".join(r.get("situations", [])) or "-", detail or "-")
     console.print(table)

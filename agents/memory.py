@@ -176,3 +176,22 @@ def read_history(store: BaseStore, limit: int = 20) -> list[dict]:
     items = store.search(HISTORY, limit=100_000)
     rows = sorted((item.value for item in items), key=lambda v: v.get("at", 0), reverse=True)
     return rows[:limit]
+
+
+RUNS = (*NAMESPACE, "runs")
+
+
+def record_run(store: BaseStore, at: float, mode: str, app_name: str, new_cluster: bool) -> None:
+    """A `pdd agents run` began: the history persists across runs, and shows where each began."""
+    store.put(RUNS, f"{at:.6f}", {"at": at, "mode": mode, "app": app_name, "new_cluster": new_cluster})
+
+
+def read_runs(store: BaseStore) -> list[dict]:
+    """Every recorded run, oldest first."""
+    return sorted((item.value for item in store.search(RUNS, limit=100_000)), key=lambda v: v["at"])
+
+
+def run_of(tick_at: float, runs: list[dict]) -> dict | None:
+    """The run a tick of that time belongs to (the last begun by then): None for ticks
+    older than every recorded run."""
+    return next((run for run in reversed(runs) if run["at"] <= tick_at), None)

@@ -24,7 +24,7 @@ from langgraph.types import Command
 from agents.actuate import Actuator, DryRunActuator, ServeActuator
 from agents.entries import EntrySink, FileEntries
 from agents.graph import Deps, TickState, build_graph, new_tick_id
-from agents.memory import StoreBackend, read_history
+from agents.memory import StoreBackend, read_history, read_runs, record_run
 from agents.observe import PromSource, Source
 from agents.queries import QuerySet
 from agents.router import Router, make_router
@@ -149,6 +149,13 @@ class Swarm:
 
     def history(self, limit: int = 20) -> list[dict]:
         return read_history(self.deps.store, limit)
+
+    def begin_run(self, app_name: str, *, new_cluster: bool) -> None:
+        """Mark in the history where this run's ticks begin."""
+        record_run(self.deps.store, self.deps.clock(), self.agents.mode.value, app_name, new_cluster)
+
+    def runs(self) -> list[dict]:
+        return read_runs(self.deps.store)
 
 
 def load(config_path: str | Path) -> tuple[PDDConfig, str]:

@@ -305,11 +305,16 @@ def test_unusable_llm_answers_fall_back_to_rules(tmp_path):
         assert [c[0] for c in actuator.calls] == ["set_knobs", "scale"]
 
 
-def test_cli_pending_history_and_unknown_tick(tmp_path):
-    args = pdd_args(audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), mode="advise")
+def cli_config(tmp_path: Path, mode: str, **agents) -> tuple:
+    """The parsed config and its serve config file, for tests driving `pdd agents` commands."""
+    args = pdd_args(audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), mode=mode, **agents)
     cfg_file = tmp_path / "serve.yaml"
     cfg_file.write_text(yaml.safe_dump({"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": args}]}))
-    config = pdd_config(**args["agents"])
+    return pdd_config(**args["agents"]), cfg_file
+
+
+def test_cli_pending_history_and_unknown_tick(tmp_path):
+    config, cfg_file = cli_config(tmp_path, "advise")
     with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
         tick = s.tick()["tick"]
     runner = CliRunner()
@@ -322,11 +327,8 @@ def test_cli_pending_history_and_unknown_tick(tmp_path):
 
 
 def test_a_new_cluster_starts_with_an_empty_memory_and_the_old_history(tmp_path):
-    args = pdd_args(audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), mode="advise",
-                    prometheus_url="http://127.0.0.1:9")  # nothing listens: the tick records that it could not observe
-    cfg_file = tmp_path / "serve.yaml"
-    cfg_file.write_text(yaml.safe_dump({"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": args}]}))
-    config = pdd_config(**args["agents"])
+    # nothing listens at that Prometheus: the tick records that it could not observe
+    config, cfg_file = cli_config(tmp_path, "advise", prometheus_url="http://127.0.0.1:9")
     with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
         tick = s.tick()["tick"]
         assert s.pending() and s.deps.memory.load().streaks
@@ -336,6 +338,26 @@ def test_a_new_cluster_starts_with_an_empty_memory_and_the_old_history(tmp_path)
     with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
         assert s.pending() == [] and s.deps.memory.load() == Memory()
         assert tick in {h["tick"] for h in s.history()}
+
+
+def test_history_marks_where_each_run_began(tmp_path):
+    """The audit database outlives runs: history shows whose ticks are whose."""
+    config, cfg_file = cli_config(tmp_path, "observe", prometheus_url="http://127.0.0.1:9")  # each tick records it could not observe
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(),
+                    clock=Clock(T0)) as s:
+        unmarked = s.tick()["tick"]  # a tick of no recorded run (as before runs were recorded)
+    runner = CliRunner()
+    for flags in (["--new-cluster"], []):
+        out = runner.invoke(agents_cli, ["run", "--once", *flags, "--config", str(cfg_file)])
+        assert out.exit_code == 0, out.output
+    out = runner.invoke(agents_cli, ["history", "--config", str(cfg_file)])
+    assert out.exit_code == 0, out.output
+    lines = [line for line in out.output.splitlines() if "run of" in line or "tick-" in line]
+    assert [("run of" in line) for line in lines] == [True, False, True, False, False]  # newest first, each run over its tick
+    assert all("observe" in line and "app 'pdd'" in line for line in (lines[0], lines[2]))
+    assert unmarked in lines[-1]
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter()) as s:
+        assert [run["new_cluster"] for run in s.runs()] == [True, False]
 
 
 def test_entries_can_be_filed_by_hand(tmp_path):
