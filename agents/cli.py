@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 from datetime import datetime, timezone
+from itertools import groupby
 from pathlib import Path
 
 import typer
@@ -133,9 +134,6 @@ def reject(
     _decide(tick, config_path, False, by, note)
 
 
-_NO_ROW_YET = object()
-
-
 @agents_cli.command("history")
 def history(config_path: Path = ConfigOption, limit: int = typer.Option(20, help="How many ticks, newest first")) -> None:
     """Recent ticks: situations, decisions, what was applied, verification outcomes."""
@@ -150,17 +148,15 @@ def history(config_path: Path = ConfigOption, limit: int = typer.Option(20, help
         return
     table = Table("tick", "mode", "status", "situations", "decisions / applied / verified")
     table.columns[0].no_wrap = True
-    shown_run: dict | None | object = _NO_ROW_YET
-    for r in rows:
-        run = run_of(r["at"], runs)
-        if run is not shown_run:  # newest first: each run's ticks under a line naming the run
-            if shown_run is not _NO_ROW_YET:
-                table.add_section()
-            if run is not None:
-                started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-                table.add_row(f"[bold]run of {started}[/bold]", run["mode"], f"app '{run['app']}'", "-",
-                              "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over", style="dim")
-            shown_run = run
-        detail = "\n".join([*r.get("decisions", []), *(f"applied {a}" for a in r.get("applied", [])), *(f"verified {v}" for v in r.get("verdicts", []))])
-        table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""), ", ".join(r.get("situations", [])) or "-", detail or "-")
+    # newest first: each run's ticks under a line naming the run (none over ticks of no recorded run)
+    for i, (run, ticks) in enumerate(groupby(rows, key=lambda r: run_of(r["at"], runs))):
+        if i:
+            table.add_section()
+        if run is not None:
+            started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            table.add_row(f"[bold]run of {started}[/bold]", run["mode"], f"app '{run['app']}'", "-",
+                          "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over", style="dim")
+        for r in ticks:
+            detail = "\n".join([*r.get("decisions", []), *(f"applied {a}" for a in r.get("applied", [])), *(f"verified {v}" for v in r.get("verdicts", []))])
+            table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""), ", ".join(r.get("situations", [])) or "-", detail or "-")
     console.print(table)
