@@ -23,6 +23,24 @@ generator's offset back; CPU generators have no offset, and the engine died of
 it. A CPU generator here remembers its state at each step's start and takes a
 draw back by returning to it.
 
+Why patches, not vLLM's public hooks. Both parts need V1's model runner
+(`engine.model_runner: v1`), and every engine checks at start that the runner
+and sampler vLLM built are the patched classes (`check`), since vLLM picks
+Model Runner V2 on CUDA by default and some features force it:
+- The seed part has no public hook: a logits processor sees logits, never a
+  request's generator, so skipping draws needs the runner's request set-up
+  (`GPUModelRunner._update_states`).
+- The penalty part could be a custom logits processor reading `extra_args`,
+  but vLLM's V1 runner then keeps every request's output ids in the sampling
+  metadata and, with async scheduling, waits each step for the last step's
+  tokens (`logitsprocs_need_output_token_ids`), a cost on every request, not
+  only continuations; and it would penalise in a second pass whose rounding
+  differs from one engine's single pass. Feeding the earlier output into vLLM's
+  own penalty pass (`GPUModelRunner._sample`, `Sampler.apply_penalties`) costs
+  nothing when no request continues and gives one engine's arithmetic exactly.
+- V2 has its own sampler and logits-processor interface
+  (vllm/v1/worker/gpu/sample/); carried sampling is not written for it yet.
+
 Not covered: speculative decoding (its rejection sampler penalises on its own).
 """
 
@@ -39,6 +57,13 @@ if TYPE_CHECKING:
 
 #: The `SamplingParams.extra_args` key the engine sets from `sampled_before`.
 SAMPLED_BEFORE = "pdd_sampled_before"
+
+#: Marks this module's replacements of vLLM's methods.
+_PATCHED = "_pdd_carried"
+
+
+class CarriedSamplingUnavailable(RuntimeError):
+    """The model runner vLLM built does not run this module's patches."""
 
 
 #: Per row of the batch being sampled: the output tokens sampled before it (None: none).
@@ -118,7 +143,7 @@ def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original_update, original_sample, original_penalties = GPUModelRunner._update_states, GPUModelRunner._sample, Sampler.apply_penalties
-    if getattr(original_update, "_pdd_carried", False):
+    if getattr(original_update, _PATCHED, False):
         return
 
     @functools.wraps(original_update)
@@ -149,7 +174,53 @@ def install() -> None:
     def apply_penalties(logits, sampling_metadata, output_token_ids):
         return original_penalties(logits, sampling_metadata, with_carried(output_token_ids, _carried_rows.get()))
 
-    update_states._pdd_carried = True
+    for patched in (update_states, sample, apply_penalties):
+        setattr(patched, _PATCHED, True)
     GPUModelRunner._update_states = update_states
     GPUModelRunner._sample = sample
     Sampler.apply_penalties = staticmethod(apply_penalties)
+
+
+def _is_patched(owner: Any, name: str) -> bool:
+    # the method the instance's own class resolves, not merely a patched base somewhere
+    return getattr(getattr(type(owner), name, None), _PATCHED, False)
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def runner_label(runner: Any) -> str:
+    """`v1 (CPUModelRunner)`, `v2 (GPUModelRunner)`, or the class's full name for another runner."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    name = type(runner).__qualname__
+    if isinstance(runner, GPUModelRunner):
+        return f"v1 ({name})"
+    if type(runner).__module__.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")):  # V2's packages
+        return f"v2 ({name})"
+    return _qualname(runner)
+
+
+def check(runner: Any) -> str:
+    """Confirm that `runner`, the model runner vLLM built, and its sampler run this
+    module's patches; return the runner's label. Raises CarriedSamplingUnavailable
+    naming the runner and what would not carry across engines otherwise."""
+    sampler = getattr(runner, "sampler", None)
+    missing = [
+        feature
+        for owner, method, feature in (
+            (runner, "_update_states", "seeded sampling (its generator would draw the earlier tokens' numbers again)"),
+            (runner, "_sample", "presence and frequency penalties (the earlier output would not count)"),
+            (sampler, "apply_penalties", "presence and frequency penalties (the earlier output would not count)"),
+        )
+        if not _is_patched(owner, method)
+    ]
+    if missing:
+        raise CarriedSamplingUnavailable(
+            f"vLLM built model runner {runner_label(runner)} ({_qualname(runner)}) with sampler {_qualname(sampler)}, "
+            f"which do not run app/carried_sampling.py's hooks: {'; '.join(dict.fromkeys(missing))} would differ from one engine's "
+            "answer once a request moves between engines. Use vLLM's V1 runner (engine.model_runner: v1) and no "
+            "engine.extra option that forces Model Runner V2"
+        )
+    return runner_label(runner)

@@ -215,7 +215,7 @@ class Conductor:
                 "replicas": [
                     {"replica_id": i.replica_id, "node_ip": i.node_ip, "node_id": i.node_id, "in_flight": self.engines.load(i.replica_id),
                      "warming": len(self._warms.get(i.replica_id, {})), "kv_blocks": i.num_kv_blocks,
-                     "known_blocks": self.index.held_blocks(i.replica_id)}
+                     "known_blocks": self.index.held_blocks(i.replica_id), "model_runner": i.model_runner}
                     for i in replicas
                 ],
             }

@@ -154,11 +154,27 @@ class EngineConfig(_Strict):
     enforce_eager: bool = True
     """No graph capture: engine start ~30 s instead of ~70 s on CPU."""
     tensor_parallel_size: Annotated[int, Field(gt=0)] = 1
+    model_runner: Literal["v1", "v2", "auto"] = "v1"
+    """vLLM's model runner, set through VLLM_USE_V2_MODEL_RUNNER before the engine starts
+    (whatever the environment says). `auto` is vLLM's own choice: V2 wherever Triton
+    runs, i.e. on every CUDA machine. Only `v1` is accepted while carried sampling
+    (app/carried_sampling.py) hooks V1's runner; each engine checks the runner it got."""
     record_steps: bool = False
     """Time each engine step and keep its shape (app/kv/steps.py), to fit the twin's
     step model to steps taken while the app serves (app/sim/calibrate.py)."""
     extra: dict[str, Any] = {}
     """Any other `vllm.AsyncEngineArgs` field, passed through as is."""
+
+    @field_validator("model_runner")
+    @classmethod
+    def _runner_carries_sampling(cls, v: str) -> str:
+        if v != "v1":
+            raise ValueError(
+                f"'{v}' is not supported yet: seeded sampling and presence/frequency penalties that carry "
+                "across engines (app/carried_sampling.py) hook vLLM's V1 model runner, and under V2 a request "
+                "moved between engines (handoff, relay, failover) would sample other tokens than one engine does; use 'v1'"
+            )
+        return v
 
     @field_validator("extra")
     @classmethod

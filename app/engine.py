@@ -39,6 +39,8 @@ class ReplicaInfo:
     """Where app.token_channel serves this replica's token streams (on node_ip)."""
     kv_bytes_per_block: int
     """Bytes one KV block holds across all layers (what one block costs on a link)."""
+    model_runner: str = ""
+    """The vLLM model runner the engine built, e.g. `v1 (CPUModelRunner)` (checked at start)."""
 
 
 def node_ip() -> str:
@@ -174,11 +176,22 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+#: VLLM_USE_V2_MODEL_RUNNER for each `engine.model_runner` (None: unset, vLLM decides).
+RUNNER_ENV = {"v1": "0", "v2": "1", "auto": None}
+
+
 def set_engine_env(config: PDDConfig, role: RoleName) -> None:
     """Process environment a role's engine reads at start (call before creating it)."""
     rc = config.roles.get(role)
     if rc is None:
         raise KeyError(f"roles.{role.value} is not configured")
+    # The runner is the config's choice: on CUDA vLLM would pick V2, where carried sampling does not run.
+    runner = RUNNER_ENV[rc.engine.model_runner]
+    inherited = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if inherited is not None and inherited != runner:
+        logger.warning("VLLM_USE_V2_MODEL_RUNNER=%s ignored: roles.%s.engine.model_runner is %s", inherited, role.value, rc.engine.model_runner)
+    if runner is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
     if on_cpu():
         # Read by the engine's worker process at start; whole GiB only.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
@@ -221,6 +234,22 @@ class EngineServer:
         self.kv_bytes_per_block = _kv_bytes_per_block(vllm_config)
         self.datacenter = config.datacenter_of(role)
         self._token_server = TokenStreamServer(self.generate)
+        self.model_runner = ""
+
+    async def check_runner(self) -> None:
+        """Refuse to serve unless every worker's model runner runs carried sampling (the
+        runner vLLM built, whatever was asked for), then log the engine's start line."""
+        try:
+            labels = set(await self.engine.collective_rpc("pdd_check_sampling"))
+        except Exception as exc:
+            self.shutdown()
+            del self.engine  # shut down once, not again when the replica is collected
+            raise RuntimeError(f"{self.role.value} engine {self.replica_id} refused to start: {exc}") from exc
+        self.model_runner = ", ".join(sorted(labels))
+        logger.info(
+            "%s engine %s started in %s: model runner %s, %d KV blocks of %d tokens",
+            self.role.value, self.replica_id, self.datacenter, self.model_runner, self.num_kv_blocks, self.block_size,
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         from vllm import SamplingParams
@@ -297,6 +326,7 @@ class EngineServer:
             block_size=self.block_size,
             token_port=token_port,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            model_runner=self.model_runner,
         )
 
     async def kv_state(self, target_replica: str | None = None) -> dict[str, Any]:

@@ -28,9 +28,11 @@ def _replica_id() -> str:
 class _RoleServer(EngineServer):
     role: RoleName
 
-    def __init__(self, config: dict):
+    # Serve awaits an async constructor: the replica is not up until its runner is checked.
+    async def __init__(self, config: dict):  # type: ignore[misc]
         log_to_stderr()
         super().__init__(PDDConfig.model_validate(config), self.role, _replica_id())
+        await self.check_runner()
 
     def __del__(self):
         if hasattr(self, "engine"):  # construction may have failed

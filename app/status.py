@@ -105,6 +105,7 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         hits = ", ".join(f"{role} {v:.0%}" for role, v in sorted(snapshot.prefix_hit_by_role.items())) or "-"
         wan = ", ".join(f"{link} {_ms(v)} ms" for link, v in sorted(snapshot.kv_seconds_p90_by_link.items())) or "-"
         extra.append(f"prefix hit: {hits}   KV pull p90: {wan}   leases held: {snapshot.leases_live if snapshot.leases_live is not None else '-'}")
+    extra.append(f"model runner: {_runners(state['roles'])}")
     knobs = state["knobs"]
     extra.append(
         f"knobs: max_wan_transfer_ms {knobs['routing']['max_wan_transfer_ms']:g}, handoff {knobs['handoff']['mode']} "
@@ -113,6 +114,15 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
     if prometheus_note:
         extra.append(f"[yellow]{prometheus_note}[/yellow]")
     return Group(Panel(header), roles, links, slo, *extra)
+
+
+def _runners(roles: dict[str, Any]) -> str:
+    """The vLLM model runners the live engines built: one label when all agree, else per role."""
+    by_role = {name: sorted({x.get("model_runner") or "?" for x in r["replicas"]}) for name, r in roles.items() if r["replicas"]}
+    labels = {label for found in by_role.values() for label in found}
+    if len(labels) == 1:
+        return f"{labels.pop()} on every engine"
+    return ", ".join(f"{name} {' / '.join(found)}" for name, found in by_role.items()) or "- (no engine up)"
 
 
 def _rate(per_s: float) -> str:

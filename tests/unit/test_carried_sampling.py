@@ -1,8 +1,11 @@
-"""What an engine request tells the worker about the output sampled before it (app/carried_sampling.py)."""
+"""What an engine request tells the worker about the output sampled before it, and the start check that
+the runner vLLM built runs it (app/carried_sampling.py)."""
 
 from types import SimpleNamespace
 
-from app.carried_sampling import SAMPLED_BEFORE, _adopt, extra_args, with_carried
+import pytest
+
+from app.carried_sampling import SAMPLED_BEFORE, CarriedSamplingUnavailable, _adopt, check, extra_args, install, with_carried
 from app.token_channel import SamplingOptions
 
 
@@ -69,3 +72,57 @@ def test_a_cpu_generator_takes_back_its_steps_draw_as_vllm_asks():
     kept = _draw(rewindable)
     rewindable.step_starts()
     assert [discarded, kept, _draw(rewindable)] == [expected[0], expected[0], expected[1]]
+
+
+def _built(runner_cls, sampler_cls):
+    """A runner as vLLM would have built it, without building a model: only its class and its sampler's matter."""
+    runner = object.__new__(runner_cls)
+    runner.sampler = object.__new__(sampler_cls)
+    return runner
+
+
+def test_an_engine_on_v1s_runner_passes_the_start_check():
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install()
+    assert check(_built(CPUModelRunner, Sampler)) == "v1 (CPUModelRunner)"
+    assert check(_built(GPUModelRunner, Sampler)) == "v1 (GPUModelRunner)"
+
+
+def test_the_start_check_refuses_model_runner_v2_naming_it_and_what_would_not_carry():
+    """What vLLM builds on CUDA unless told otherwise (or forced by HiSparse, watermarking):
+    patching V1's classes did nothing to these."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    from vllm.v1.worker.gpu.sample.sampler import Sampler as SamplerV2
+
+    install()
+    with pytest.raises(CarriedSamplingUnavailable) as info:
+        check(_built(GPUModelRunnerV2, SamplerV2))
+    message = str(info.value)
+    assert "v2 (GPUModelRunner)" in message and "vllm.v1.worker.gpu.sample.sampler.Sampler" in message
+    assert "seeded sampling" in message and "penalties" in message and "engine.model_runner: v1" in message
+
+
+def test_the_start_check_looks_at_the_class_vllm_built_not_at_the_patched_base():
+    """A V1 runner subclass that overrides a patched method no longer runs the patch."""
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install()
+
+    class PlatformRunner(GPUModelRunner):
+        def _update_states(self, scheduler_output):
+            return None
+
+    class PlatformSampler(Sampler):
+        @staticmethod
+        def apply_penalties(logits, sampling_metadata, output_token_ids):
+            return logits
+
+    with pytest.raises(CarriedSamplingUnavailable, match="seeded sampling") as info:
+        check(_built(PlatformRunner, Sampler))
+    assert "penalties" not in str(info.value)
+    with pytest.raises(CarriedSamplingUnavailable, match="penalties"):
+        check(_built(GPUModelRunner, PlatformSampler))

@@ -89,6 +89,14 @@ def test_reserved_engine_arg_rejected(args):
     assert "set by pdd-serve" in _error(args)
 
 
+def test_the_model_runner_is_v1_until_carried_sampling_runs_on_v2(args):
+    assert PDDConfig.model_validate(args).roles.prefill.engine.model_runner == "v1"
+    for runner in ("v2", "auto"):
+        args["roles"]["relay_decode"]["engine"] = {"model_runner": runner}
+        message = _error(args)
+        assert "roles.relay_decode.engine.model_runner" in message and "carried_sampling" in message and "use 'v1'" in message
+
+
 def test_relay_caps_ordered(args):
     args["handoff"] = {"relay_cap_tokens": 10, "min_relay_cap_tokens": 20}
     assert "min_relay_cap_tokens" in _error(args)

@@ -10,7 +10,7 @@ from app.config import PDDConfig, RoleName
 from app.engine import set_engine_env
 from tests.conftest import local_args
 
-ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER")
 
 
 @pytest.fixture
@@ -54,3 +54,11 @@ def test_what_the_operator_set_wins(config, clean_env):
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     assert os.environ["OMP_NUM_THREADS"] == "4"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_the_config_chooses_the_model_runner_whatever_the_environment_says(config, clean_env):
+    set_engine_env(config, RoleName.prefill)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V1: on CUDA vLLM would otherwise pick V2
+    clean_env.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    set_engine_env(config, RoleName.main_decode)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
