@@ -70,8 +70,8 @@ def engine_placement(config: PDDConfig, group_name: str) -> dict[str, Any]:
     a 16-GPU replica on 8-GPU nodes needs).
     """
     options = actor_options(config, group_name)
-    gpus = int(options.pop("num_gpus", 0))
-    if gpus <= 1:
+    gpus = options.pop("num_gpus", 0)
+    if gpus <= 1:  # one GPU, or a share of it: Ray then gives several engines the same card
         if gpus:
             options["num_gpus"] = gpus
         return {"ray_actor_options": options}
@@ -79,7 +79,7 @@ def engine_placement(config: PDDConfig, group_name: str) -> dict[str, Any]:
     first = {"CPU": options["num_cpus"], **placed}
     return {
         "ray_actor_options": options,
-        "placement_group_bundles": [first] + [{"GPU": 1, **placed}] * gpus,
+        "placement_group_bundles": [first] + [{"GPU": 1, **placed}] * int(gpus),
         "placement_group_strategy": "PACK",
     }
 

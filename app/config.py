@@ -133,11 +133,20 @@ class NodeGroup(_Strict):
     """CPUs per replica as Ray accounts them (fractional: on 2 cores several
     deployments must fit)."""
     num_gpus: Annotated[float, Field(ge=0)] = 0
-    """GPUs per replica (tensor parallel size on GPU machines)."""
+    """GPUs per replica (tensor parallel size on GPU machines), or a share of one
+    (e.g. 0.3: several roles' engines on one card, each with its
+    `engine.gpu_memory_utilization`)."""
     cost_per_hour: Annotated[float, Field(ge=0)] = 0.0
     """Cost of one replica's hardware per hour, for BCR (goodput / cost)."""
     spec: AcceleratorSpec | None = None
     """Performance figures for the digital twin; optional for serving."""
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus_above_one(cls, v: float) -> float:
+        if v > 1 and v != int(v):
+            raise ValueError(f"{v:g}: a share of one GPU (at most 1) or whole GPUs, not a share of several")
+        return v
 
 
 class EngineConfig(_Strict):
