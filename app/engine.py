@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,34 +180,43 @@ def on_cpu() -> bool:
 RUNNER_ENV = {"v1": "0", "v2": "1", "auto": None}
 
 
-def set_engine_env(config: PDDConfig, role: RoleName) -> None:
-    """Process environment a role's engine reads at start (call before creating it)."""
+def engine_env(config: PDDConfig, role: RoleName, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The variables a role's engine reads at start, given the environment it would
+    inherit (None: unset). The operator's settings win, except the model runner's."""
     rc = config.roles.get(role)
     if rc is None:
         raise KeyError(f"roles.{role.value} is not configured")
     # The runner is the config's choice: on CUDA vLLM would pick V2, where carried sampling does not run.
     runner = RUNNER_ENV[rc.engine.model_runner]
-    inherited = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    inherited = environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if inherited is not None and inherited != runner:
         logger.warning("VLLM_USE_V2_MODEL_RUNNER=%s ignored: roles.%s.engine.model_runner is %s", inherited, role.value, rc.engine.model_runner)
-    if runner is not None:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
+    env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": runner}
     if on_cpu():
         # Read by the engine's worker process at start; whole GiB only.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
         # vLLM's CPU binding assumes an engine owns its host: it pins every engine's
         # worker to the same core, so the app's engines took turns on it while the
         # others idled. Here engines share hosts: the OS spreads them, each
         # with as many threads as its node group's CPUs (Ray's rule for its workers,
-        # applied here for engines started outside Ray: calibration). The environment wins.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, math.floor(config.node_groups[rc.node_group].num_cpus))))
+        # applied here for engines started outside Ray: calibration).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env["OMP_NUM_THREADS"] = environ.get("OMP_NUM_THREADS", str(max(1, math.floor(config.node_groups[rc.node_group].num_cpus))))
         # On CPU, vLLM runs the model in a second process fed through shared
         # memory, and both processes busy-poll for a second after each message.
-        # With several engines on a few cores the polling took the models'
-        # CPU (pdd on 2 cores: 1.95 cores busy, TPOT p50 22 ms; 1.55 and 11 ms
-        # without it). Off, the model runs in the engine core process, as on GPUs.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # With several engines on a few cores the polling took the models' CPU.
+        # Off, the model runs in the engine core process, as on GPUs.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return env
+
+
+def set_engine_env(config: PDDConfig, role: RoleName) -> None:
+    """Set this process's environment for a role's engine (call before creating it)."""
+    for name, value in engine_env(config, role, os.environ).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 class EngineServer:

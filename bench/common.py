@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-OUT_DIR = ROOT / "bench" / "out"
+#: Where benchmarks write their tables, plots and traces (PDD_BENCH_OUT: elsewhere, as
+#: bench/gpu_check.py puts one run's outputs in one folder).
+OUT_DIR = Path(os.environ.get("PDD_BENCH_OUT") or ROOT / "bench" / "out")
 
 
 def free_port() -> int:

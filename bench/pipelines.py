@@ -62,7 +62,7 @@ from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overh
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
-from tests.conftest import local_args, set_wan
+from tests.conftest import local_args, on_one_gpu, set_wan
 
 console = Console(width=160)
 MODES = ("colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd")
@@ -216,26 +216,17 @@ def worst_wait_ms(result: LoadResult, q: float) -> float:
     return percentile([max(r.ttft_s, r.max_gap_s) for r in result.ok], q) * 1000
 
 
-def gpu_args(args: dict) -> dict:
-    """CUDA machine: vllm, dummy weights of an 8B Llama shape, a datacenter-class WAN."""
-    from app.devmodel import ensure_llama8b_shape
-
-    args["model"].update(source=str(ensure_llama8b_shape()), load_format="dummy", dtype="bfloat16", block_size=16, max_model_len=16384)
-    for group in args["node_groups"].values():
-        group.update(num_gpus=0.3, accelerator="H200")
-    for role in args["roles"].values():
-        role["engine"] = {"gpu_memory_utilization": 0.28, "max_num_seqs": 64, "record_steps": True}
-    set_wan(args, 10_000, 30, jitter=True)  # 8B KV is 128 KiB/token: 10 Gbit/s is the WAN share
-    return args
-
-
 def bench_args(gpu: bool = False) -> dict:
-    """The app config this benchmark serves (bench/sim_vs_real.py simulates the same)."""
+    """The app config this benchmark serves (bench/sim_vs_real.py simulates the same). On a
+    CUDA machine: every engine on the one GPU, dummy weights of an 8B Llama shape, and a
+    datacenter-class WAN (8B KV is 128 KiB/token: 10 Gbit/s is the WAN share)."""
     args = local_args()
     args["model"]["max_model_len"] = 8192
+    if gpu:
+        set_wan(on_one_gpu(args), 10_000, 30, jitter=True)
     for role in args["roles"].values():
         role.setdefault("engine", {})["record_steps"] = True
-    return gpu_args(args) if gpu else args
+    return args
 
 
 def main() -> None:

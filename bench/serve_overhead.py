@@ -1,9 +1,15 @@
-"""Our app (colocated mode) vs vLLM's own OpenAI server, same tiny model, same machine.
+"""Our app (colocated mode) vs vLLM's own OpenAI server, same model, same machine.
 
 Both servers stay up and the rounds alternate (ours, vLLM, ours, vLLM, ...) so
-machine noise hits both alike; the table shows medians over rounds.
+machine noise hits both alike; the table shows medians over rounds. vLLM's
+server gets our main decoder's engine arguments and engine environment
+(app/engine.py `engine_env`: the model runner, and on CPU the threads, binding
+and single-process settings); the bench prints what each side was given.
 
-    python bench/serve_overhead.py [--rounds 3] [--logprobs N] [--json out.json]
+    python bench/serve_overhead.py [--rounds 3] [--logprobs N] [--json out.json] [--gpu]
+
+`--gpu`: a CUDA machine, dummy weights of an 8B Llama shape, each server's
+engine with 0.4 of the GPU's memory.
 
 `--logprobs N` asks both servers for every token's log probability and its N
 most likely alternatives: what rendering them costs each.
@@ -23,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
+from app.config import PDDConfig, RoleName
 from bench.common import LocalApp, LoadResult, free_port, median, run_load, wait_http, write_outputs
-from tests.conftest import local_args
+from tests.conftest import local_args, on_one_gpu
 
 console = Console(width=140)
 MODEL = "pdd-dev"
@@ -34,17 +41,22 @@ def prompts(n: int, words: int) -> list[str]:
     return [" ".join(f"request {i} asks about block {j}" for j in range(words // 5)) for i in range(n)]
 
 
-def colocated_args(max_model_len: int) -> dict:
+def colocated_args(max_model_len: int, gpu: bool = False) -> dict:
+    """Our app in colocated mode: the main decoder's engine alone (on the GPU beside vLLM's)."""
     args = local_args()
     args["mode"] = "colocated"
     args["model"]["max_model_len"] = max_model_len
+    if gpu:
+        for role in ("prefill", "relay_decode"):
+            args["roles"][role]["replicas"] = 0
+        on_one_gpu(args, memory_fraction=0.4)
     return args
 
 
-def start_vllm(args: dict, port: int) -> subprocess.Popen:
-    """vLLM's own OpenAI server with the engine arguments our main_decode role uses."""
-    from app.config import PDDConfig, RoleName
-    from app.engine import engine_args
+def vllm_server(args: dict, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's own OpenAI server: its command line with the engine arguments our main_decode
+    role uses, and the variables of our engine environment it starts with."""
+    from app.engine import engine_args, engine_env
 
     config = PDDConfig.model_validate(args)
     e = engine_args(config, RoleName.main_decode)
@@ -53,11 +65,11 @@ def start_vllm(args: dict, port: int) -> subprocess.Popen:
         "--model", e.model, "--served-model-name", config.model.served_name,
         "--dtype", e.dtype, "--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len),
         "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", str(e.max_num_seqs),
+        "--load-format", e.load_format, "--gpu-memory-utilization", str(e.gpu_memory_utilization),
         "--host", "127.0.0.1", "--port", str(port),
     ]
-    kv_gib = config.roles.main_decode.engine.kv_cache_gib
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib)))}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {name: value for name, value in engine_env(config, RoleName.main_decode, os.environ).items() if value is not None}
+    return cmd, env
 
 
 def main() -> None:
@@ -69,16 +81,24 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=200)
     ap.add_argument("--logprobs", type=int, default=None, help="ask for log probabilities with this many alternatives (0-5)")
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
     a = ap.parse_args()
 
     if a.logprobs is not None and not 0 <= a.logprobs <= 5:
         raise SystemExit(f"--logprobs must be 0-5 (OpenAI's limit for completions), got {a.logprobs}")
     asked = {} if a.logprobs is None else {"logprobs": a.logprobs}
-    args = colocated_args(4096)
+    args = colocated_args(4096, a.gpu)
     vllm_port = free_port()
+    cmd, vllm_env = vllm_server(args, vllm_port)
+    config = PDDConfig.model_validate(args)
+    model, engine = config.model, config.roles.main_decode.engine
+    console.print(f"each side: one engine, {model.source} ({model.dtype}), enforce_eager, prefix caching, "
+                  f"max_num_seqs {engine.max_num_seqs}; engine environment {' '.join(f'{k}={v}' for k, v in sorted(vllm_env.items()))}")
+    console.print("pdd-serve: Ray Serve ingress -> conductor -> token channel -> engine replica; vLLM: its OpenAI server, "
+                  f"{' '.join(cmd[3:])}")
     results: dict[tuple[str, int], list[LoadResult]] = {}
     with LocalApp(args, name="overhead") as ours:
-        vllm = start_vllm(args, vllm_port)
+        vllm = subprocess.Popen(cmd, env={**os.environ, **vllm_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             console.print("waiting for both servers (engine start ~30 s each)")
             wait_http(f"{ours.base_url}/health")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,27 @@ def set_wan(args: dict[str, Any], bandwidth_mbps: float, rtt_ms: float, jitter: 
             link.update(bandwidth_mbps=bandwidth_mbps, rtt_ms=rtt_ms)
             if not jitter:
                 link["jitter"] = {"distribution": "none"}
+    return args
+
+
+def on_one_gpu(args: dict[str, Any], model: str = "llama8b", memory_fraction: float = 0.28) -> dict[str, Any]:
+    """Every engine of an app config on one CUDA GPU (the roles' node groups each take a share of
+    it), each engine with `memory_fraction` of the card's memory.
+
+    `model`: `llama8b`, dummy weights of Llama-3-8B's shape in bfloat16 (real compute and KV
+    sizes, for benchmarks), or `devmodel`, the float32 dev model (token identity between
+    pipelines needs its wide logit gaps: a bfloat16 model's near-ties flip with batch shape)."""
+    if model == "llama8b":
+        from app.devmodel import ensure_llama8b_shape
+
+        args["model"].update(source=str(ensure_llama8b_shape()), load_format="dummy", dtype="bfloat16", block_size=16, max_model_len=16384)
+    elif model != "devmodel":
+        raise ValueError(f"model: 'llama8b' or 'devmodel', not {model!r}")
+    engines = sum(role.get("replicas", 1) for role in args["roles"].values())
+    for group in args["node_groups"].values():
+        group.update(num_gpus=math.floor(100 / engines) / 100, accelerator="cuda")
+    for role in args["roles"].values():
+        role["engine"] = {"gpu_memory_utilization": memory_fraction, "max_num_seqs": 64}
     return args
 
 

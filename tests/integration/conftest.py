@@ -161,6 +161,21 @@ class DeployedApp:
         serve.delete(self.name)
 
 
+@pytest.fixture
+def knobs(app):
+    """Set live knobs for one test; the defaults come back after it."""
+    defaults = {"routing": copy.deepcopy(app.args["routing"]), "handoff": copy.deepcopy(app.args["handoff"])}
+
+    def apply(**sections):
+        conf = copy.deepcopy(defaults)
+        for section, values in sections.items():
+            conf[section].update(values)
+        app.set_user_config("Conductor", conf)
+
+    yield apply
+    app.set_user_config("Conductor", defaults)
+
+
 @contextmanager
 def ray_prometheus(workdir: Path, rule_files: list[Path] | None = None) -> Iterator[PrometheusServer]:
     """A real Prometheus scraping every Ray node's metrics every 3 s. A scrape may last

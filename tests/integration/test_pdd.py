@@ -11,13 +11,9 @@ runs with MD taking over before RLD's first token, 2 s and 8 s pulls alike.
 
 from __future__ import annotations
 
-import copy
-import random
 import time
 from collections import Counter
-from pprint import pformat
 
-import openai
 import pytest
 
 from app.config import RoleName
@@ -27,10 +23,10 @@ from app.sim.calibrate import serving_overhead_ms, take_app_steps
 from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
+from tests.integration.relaying import WAN, api, assert_crossed_every_engine, fresh, relayed_while_wan_held, wait_wan_idle
 
 LONG = 2400
 OUT = 1600
-WAN = "dc-a->dc-b"
 WAN_MBPS = 40
 
 
@@ -44,24 +40,6 @@ def app(serve_instance):
     deployed = deploy_app(serve_instance, "pdd", args)
     yield deployed
     deployed.delete()
-
-
-@pytest.fixture
-def knobs(app):
-    """Set live knobs for one test; the defaults come back after it."""
-    defaults = {"routing": copy.deepcopy(app.args["routing"]), "handoff": copy.deepcopy(app.args["handoff"])}
-
-    def apply(**sections):
-        conf = copy.deepcopy(defaults)
-        for section, values in sections.items():
-            conf[section].update(values)
-        app.set_user_config("Conductor", conf)
-
-    yield apply
-    app.set_user_config("Conductor", defaults)
-
-
-_seed = iter(range(10_000))
 
 
 RELAY_64_ONE_SHOT = {"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": "one_shot"}
@@ -81,58 +59,6 @@ def slow_wan(app):
     faults.restore_link(WAN)
 
 
-WAN_HOLD_S = 60
-"""Longest a `relayed_while_wan_held` request holds MD's pull: under kv.transfer_timeout_s (120 s)."""
-
-
-def relayed_while_wan_held(app, prompt, max_tokens: int, **params) -> tuple[str, dict]:
-    """A streamed greedy completion whose WAN stalls until RLD's tokens reach the client.
-
-    MD takes over when its pull ends; the stall holds that pull until the stream's second
-    piece of text (P sends one token, so it is the relay's), or at most WAN_HOLD_S. However
-    slow the machine is to start RLD, MD cannot take over before RLD's first token."""
-    faults = Faults(app.name)
-    faults.stall_link(WAN, WAN_HOLD_S)
-    text, pieces, request_id = "", 0, None
-    try:
-        for chunk in api(app).completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, **params):
-            request_id = chunk.id
-            if chunk.choices and chunk.choices[0].text:
-                text += chunk.choices[0].text
-                pieces += 1
-                if pieces == 2:
-                    faults.restore_link(WAN)
-    finally:
-        faults.restore_link(WAN)
-    return text, app.journey(request_id)
-
-
-def api(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.v1, api_key="none", max_retries=0, timeout=300)
-
-
-def fresh(n: int) -> list[int]:
-    """A prompt no engine has seen."""
-    rng = random.Random(1000 + next(_seed))
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
-def wait_wan_idle(app, quiet_s: float = 1.0, timeout_s: float = 60) -> None:
-    """Until no KV bytes crossed the WAN for `quiet_s` (background MD warm-ups done) and routing's
-    model of the WAN holds no backlog either (model and link drain on their own clocks: the next
-    turn's estimate counts what the model still holds)."""
-    deadline = time.monotonic() + timeout_s
-    last, since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        wan = app.state()["links"][WAN]  # the link's counters and routing's backlog, in one read
-        if wan["bytes_down"] != last:
-            last, since = wan["bytes_down"], time.monotonic()
-        elif time.monotonic() - since >= quiet_s and wan["backlog_bytes"] == 0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the WAN never went quiet")
-
-
 def wait_for_md_report(app, request_id: str, timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -147,16 +73,6 @@ def stream_text(app, prompt, max_tokens) -> str:
     client = api(app)
     chunks = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
     return "".join(c.choices[0].text for c in chunks if c.choices)
-
-
-def assert_crossed_every_engine(journey) -> None:
-    """P's first token, RLD's relay, then MD; if not, the journey's account of why, whole (a relay
-    or MD failure in the decision, an early handoff, a failover, the transfers' times, each
-    engine's prefix hits and first-token times)."""
-    roles = [role for role, _ in journey["token_sources"]]
-    assert journey["pipeline"] == "P-RLD-MD" and roles == ["prefill", "relay_decode", "main_decode"], pformat(
-        {key: journey[key] for key in ("pipeline", "token_sources", "decision", "handoff", "failovers", "transfers", "hit_tokens",
-                                       "engine_ttft_ms", "engine_queued_ms")})
 
 
 def assert_relayed_then_handed_over(journey, max_tokens):
