@@ -19,6 +19,7 @@ from agents.cli import agents_cli
 from app import cluster, native
 from app.config_file import ConfigError, load_config
 from app.fault_cli import fault_cli
+from app.readiness import await_ready
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
@@ -177,6 +178,7 @@ def _app_status() -> tuple[str, str]:
 def run(
     config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve config YAML"),
     timeout_s: float = typer.Option(600, help="Give up when the app is not running after this long"),
+    ready_timeout_s: float = typer.Option(300, help="After deploying, how long to wait for every role's engine before saying which are not live"),
 ) -> None:
     """Start a local cluster, deploy CONFIG, and serve until Ctrl-C (or SIGTERM)."""
     import os
@@ -209,12 +211,14 @@ def run(
                 if state == "DEPLOY_FAILED" or time.monotonic() - t0 > timeout_s:
                     _deploy_failed(state, message)
                 time.sleep(2)
-        console.print(f"[green]serving[/green] {config.model.served_name} ({config.mode.value}) at {url}/v1  (Ctrl-C to stop)")
+        console.print(f"deployed {config.model.served_name} ({config.mode.value}) at {url}/v1; waiting for its engines (Ctrl-C to stop)")
+        with console.status("waiting for a live engine of every role and a first completion"):
+            await_ready(url, config.model.served_name, _api_headers(config), ready_timeout_s, console.print)
         console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
                       f"-d '{{\"model\": \"{config.model.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        console.print(f"  `pdd status` shows the cluster at a glance; {url}/ready which roles have a live engine")
         prometheus = _start_prometheus(config, cluster.recorded_temp_dir(address))
         agents = _start_agents(config_path, config) if prometheus is not None else None
-        console.print("  `pdd status` shows the cluster at a glance")
         try:
             while True:
                 time.sleep(3600)
@@ -228,6 +232,15 @@ def run(
     finally:
         if started is not None:
             cluster.down(started, echo=console.print)
+
+
+def _api_headers(config) -> dict[str, str]:
+    """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY, else the config's or PDD_API_KEYS' first."""
+    import os
+
+    keys = [os.environ.get("PDD_API_KEY", ""), *config.server.api_keys, *os.environ.get("PDD_API_KEYS", "").split(",")]
+    key = next((k.strip() for k in keys if k.strip()), None)
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def failure_summary(message: str) -> str:

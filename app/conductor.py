@@ -29,6 +29,7 @@ from app.kv.params import LEASE, PRODUCE, PULL
 from app.kv.transport import release_lease
 from app.policy import LinkBacklog, Pipeline, affinity_room
 from app.prefix_index import PrefixIndex
+from app.readiness import readiness
 from app.relay import pdd_pipeline
 from app.textstream import TextAssembler
 from app.token_channel import EngineDelta, EngineRequest, TokenLogprob
@@ -198,6 +199,12 @@ class Conductor:
     def _count_in_flight(self, delta: int) -> None:
         self.in_flight += delta
         metrics.registry().set(metrics.IN_FLIGHT, self.in_flight, replica=self.replica_id)
+
+    async def readiness(self) -> dict[str, Any]:
+        """What GET /ready answers (app/readiness.py): never waits for a replica to describe itself."""
+        configured = {role: rc.replicas for role, rc in self.config.roles.present().items() if role in self.engines.roles()}
+        live = {role: len(await self.engines.replicas(role, wait=False)) for role in configured}
+        return readiness(self.config.mode, configured, live)
 
     async def state(self) -> dict[str, Any]:
         """What GET /pdd/state returns (people, `pdd status`, chat-ops)."""

@@ -586,4 +586,11 @@ class ConductorIngress:
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness: the ingress answers (engines may still be starting: see /ready)."""
         return {"status": "ok"}
+
+    @api.get("/ready", responses={503: {"description": "No request can be served: no engine of a role every request needs is live"}})
+    async def ready(self) -> JSONResponse:
+        """Readiness: which roles have a live engine; 503 only while no request could be served."""
+        body = await self.conductor.readiness()
+        return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)

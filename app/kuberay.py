@@ -81,6 +81,12 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
             "template": _pod_template(_container("ray-worker", image, per_pod, 32, "1000Gi"), selector),
         })
     head_params = {"dashboard-host": "0.0.0.0", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
+    head = _container("ray-head", image, 0, 8, "32Gi")
+    # the serve service sends traffic to the head's proxy (proxy_location HeadOnly) only while the
+    # app can serve: /health answers while every engine is still starting, /ready does not
+    http_port = (doc.get("http_options") or {}).get("port", 8000)
+    head["ports"].append({"containerPort": http_port, "name": "serve"})
+    head["readinessProbe"] = {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3}
     ray_service = {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -90,7 +96,7 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
                 "enableInTreeAutoscaling": False,
-                "headGroupSpec": {"rayStartParams": head_params, "template": _pod_template(_container("ray-head", image, 0, 8, "32Gi"), {})},
+                "headGroupSpec": {"rayStartParams": head_params, "template": _pod_template(head, {})},
                 "workerGroupSpecs": workers,
             },
         },

@@ -190,6 +190,14 @@ def test_missing_and_wrong_key_are_401(app):
         openai.OpenAI(base_url=app.v1, api_key="sk-wrong", max_retries=0).models.list()
 
 
+def test_readiness_needs_no_key_and_names_each_roles_live_engines(app):
+    """What a load balancer probes: /health only says the ingress answers."""
+    ready = httpx.get(f"{app.base_url}/ready", timeout=30)
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "missing": [], "roles": {"main_decode": {"live": 1, "configured": 1}}}
+    assert httpx.get(f"{app.base_url}/health", timeout=30).json() == {"status": "ok"}
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])

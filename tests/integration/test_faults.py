@@ -198,12 +198,16 @@ def test_prefill_relays_while_the_relay_decoder_is_replaced(app, faults):
     # the first turns may still meet the dead replica (then MD takes over); the conductor
     # stops routing to it, and until Serve's replacement is up P relays
     deadline = time.monotonic() + 60
-    turns = []
+    turns, readiness = [], []
     while time.monotonic() < deadline and not any(j["pipeline"] == "P-P-MD" for _, _, j in turns):
         prompt = fresh(2400)
         turns.append((prompt, *completion(app, prompt, 40)))
+        ready = httpx.get(f"{app.base_url}/ready", timeout=30)
+        readiness.append((ready.status_code, ready.json()["status"], ready.json()["missing"]))
     relayed = [(prompt, text, j) for prompt, text, j in turns if j["pipeline"] == "P-P-MD"]
     assert relayed, [(j["pipeline"], j["decision"]) for _, _, j in turns]
+    # a load balancer keeps sending: the app still serves, and says what it lacks
+    assert readiness[-1] == (200, "degraded", ["relay_decode"]), readiness
     prompt, text, j = relayed[0]
     assert text == completion(app, prompt, 40, mode="colocated")[0]
     assert "prefill relays" in j["decision"]["reason"]

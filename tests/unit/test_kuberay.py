@@ -112,3 +112,11 @@ def test_agents_read_the_config_through_cluster_services(docs):
     container = agents["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:3] == ["pdd", "agents", "run"]
     assert agents["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
+
+
+def test_the_head_is_ready_only_while_the_app_can_serve(docs):
+    """The serve service routes to the head's proxy; /health would answer while every engine is still starting."""
+    head = RayService.model_validate(docs[0]).spec.rayClusterConfig.headGroupSpec.template.spec["containers"][0]
+    port = yaml.safe_load(GPU_CONFIG.read_text())["http_options"]["port"]
+    assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert {"containerPort": port, "name": "serve"} in head["ports"]
