@@ -7,13 +7,15 @@ so other `pdd` commands start without them.
 from __future__ import annotations
 
 import getpass
+import textwrap
 from datetime import datetime, timezone
 from itertools import groupby
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from app.config import AgentMode
 from app.config_file import ConfigError
@@ -75,13 +77,19 @@ def run(
 
 
 @agents_cli.command("pending")
-def pending(config_path: Path = ConfigOption) -> None:
+def pending(
+    config_path: Path = ConfigOption,
+    as_json: bool = typer.Option(False, "--json", help="The waiting ticks and their proposals as JSON, for scripts"),
+) -> None:
     """Proposals waiting for a person (advise mode)."""
     from agents.runner import Swarm
 
     config, app_name = _load(config_path)
     with Swarm.open(config, app_name=app_name, mode=AgentMode.advise) as swarm:
         waiting = swarm.pending()
+    if as_json:
+        console.print_json(data=waiting)
+        return
     if not waiting:
         console.print("nothing awaits approval")
         return
@@ -135,7 +143,12 @@ def reject(
 
 
 @agents_cli.command("history")
-def history(config_path: Path = ConfigOption, limit: int = typer.Option(20, help="How many ticks, newest first")) -> None:
+def history(
+    config_path: Path = ConfigOption,
+    limit: int = typer.Option(20, help="How many ticks, newest first"),
+    wide: bool = typer.Option(False, "--wide", help="One table, every field whole (needs a wide terminal)"),
+    as_json: bool = typer.Option(False, "--json", help="The ticks and runs as JSON, for scripts"),
+) -> None:
     """Recent ticks: situations, decisions, what was applied, verification outcomes."""
     from agents.memory import run_of
     from agents.runner import Swarm
@@ -143,20 +156,57 @@ def history(config_path: Path = ConfigOption, limit: int = typer.Option(20, help
     config, app_name = _load(config_path)
     with Swarm.open(config, app_name=app_name, mode=AgentMode.advise) as swarm:
         rows, runs = swarm.history(limit), swarm.runs()
+    if as_json:
+        console.print_json(data={"ticks": rows, "runs": runs})
+        return
     if not rows:
         console.print("no ticks recorded yet")
         return
+    # newest first: each run's ticks under a line naming the run (none over ticks of no recorded run)
+    runs_and_ticks = [(run, list(ticks)) for run, ticks in groupby(rows, key=lambda r: run_of(r["at"], runs))]
+    console.print(_history_table(runs_and_ticks) if wide else _history_blocks(runs_and_ticks, console.width))
+
+
+def _run_line(run: dict) -> tuple[str, str, str]:
+    started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"run of {started}", f"app '{run['app']}'", "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over"
+
+
+def _tick_details(r: dict) -> list[str]:
+    return [*r.get("decisions", []), *(f"applied {a}" for a in r.get("applied", [])), *(f"verified {v}" for v in r.get("verdicts", []))]
+
+
+def _history_table(runs_and_ticks: list[tuple[dict | None, list[dict]]]) -> Table:
     table = Table("tick", "mode", "status", "situations", "decisions / applied / verified")
     table.columns[0].no_wrap = True
-    # newest first: each run's ticks under a line naming the run (none over ticks of no recorded run)
-    for i, (run, ticks) in enumerate(groupby(rows, key=lambda r: run_of(r["at"], runs))):
+    for i, (run, ticks) in enumerate(runs_and_ticks):
         if i:
             table.add_section()
         if run is not None:
-            started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-            table.add_row(f"[bold]run of {started}[/bold]", run["mode"], f"app '{run['app']}'", "-",
-                          "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over", style="dim")
+            name, app, memory = _run_line(run)
+            table.add_row(f"[bold]{name}[/bold]", run["mode"], app, "-", memory, style="dim")
         for r in ticks:
-            detail = "\n".join([*r.get("decisions", []), *(f"applied {a}" for a in r.get("applied", [])), *(f"verified {v}" for v in r.get("verdicts", []))])
-            table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""), ", ".join(r.get("situations", [])) or "-", detail or "-")
-    console.print(table)
+            table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""),
+                          ", ".join(r.get("situations", [])) or "-", "\n".join(_tick_details(r)) or "-")
+    return table
+
+
+def _history_blocks(runs_and_ticks: list[tuple[dict | None, list[dict]]], width: int) -> Group:
+    """One block per tick, for any terminal: each line at most two rows of `width` (`--wide` for every field whole)."""
+    fit = max(40, 2 * width - 6)
+
+    def line(text: str, indent: int) -> Text:
+        return Text(" " * indent + textwrap.shorten(text, fit - indent, placeholder=" …"))
+
+    out: list = []
+    for run, ticks in runs_and_ticks:
+        if run is not None:
+            name, app, memory = _run_line(run)
+            out.append(Text.assemble((name, "bold"), f" · {run['mode']} · {app} · {memory}", style="dim"))
+        for r in ticks:
+            out.append(Text.assemble((r["tick"], "bold"), f"  {r['mode']}  {r['status']}"))
+            if r.get("error"):
+                out.append(line(f"error: {r['error']}", 2))
+            out.append(line(f"situations: {', '.join(r.get('situations', [])) or 'none'}", 2))
+            out += [line(detail, 2) for detail in _tick_details(r)]
+    return Group(*out)

@@ -68,13 +68,14 @@ def status(
     url: str = typer.Option("http://127.0.0.1:8000", help="The app's HTTP address (PDD_API_KEY for auth)"),
     prometheus: str = typer.Option(None, help="Prometheus URL (default: agents.prometheus_url)"),
     app_name: str = typer.Option("pdd", help="Serve application name"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object (state, Prometheus' figures, note) for scripts"),
 ) -> None:
     """The cluster at a glance: roles, links, knobs, SLO figures."""
     from app.status import show
 
     config = _load(config_path)
     try:
-        show(url, prometheus or config.agents.prometheus_url, config, console, app_name)
+        show(url, prometheus or config.agents.prometheus_url, config, console, app_name, as_json)
     except (httpx.HTTPError, RuntimeError) as err:
         console.print(f"[red]cannot read {url}/pdd/state: {err}[/red] (is the app running? `make run`)")
         raise typer.Exit(1) from None

@@ -60,8 +60,8 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
 
     roles = Table(title="roles", expand=True)
     # "KV blocks known": what the conductor routes on (blocks it knows each replica holds), of the replicas' capacity
-    for col in ("role", "datacenter", "accelerator", "replicas", "in flight", "KV blocks known"):
-        roles.add_column(col)
+    for col in ("role", "datacenter", "device", "replicas", "in flight", "KV blocks known"):
+        roles.add_column(col, no_wrap=col in ("role", "datacenter"))
     for name, r in state["roles"].items():
         live = len(r["replicas"])
         want = r["configured_replicas"]
@@ -72,14 +72,14 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         known = sum(x["known_blocks"] for x in r["replicas"])
         capacity = sum(x["kv_blocks"] for x in r["replicas"])
         roles.add_row(name, r["datacenter"], r["accelerator"], replicas, f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight),
-                      f"{known:,} of {capacity:,}")
+                      f"{_count(known)} of {_count(capacity)}")
 
     links = Table(title="links", expand=True)
     for col in ("direction", "Mbit/s", "RTT ms", "KV moved", "state"):
         links.add_column(col)
     for name, link in sorted(state["links"].items()):
         moved = link["bytes_down"]
-        links.add_row(name, f"{link['bandwidth_mbps']:g}", f"{link['rtt_ms']:g}", f"{moved / 1e6:.1f} MB", "[red]CUT[/red]" if link["is_cut"] else "up")
+        links.add_row(name, f"{link['bandwidth_mbps']:g}", f"{link['rtt_ms']:g}", _bytes(moved), "[red]CUT[/red]" if link["is_cut"] else "up")
 
     slo = Table(title=f"SLOs ({pct}; targets TTFT {targets['ttft_ms']:g} ms, TPOT {targets['tpot_ms']:g} ms, gap {targets['max_gap_ms']:g} ms)", expand=True)
     for col in ("pipeline", "req/s" if snapshot is not None else "requests", f"TTFT {pct} ms", "TTFT p99 ms", f"TPOT {pct} ms", "worst gap p99 ms"):
@@ -125,6 +125,20 @@ def _runners(roles: dict[str, Any]) -> str:
     return ", ".join(f"{name} {' / '.join(found)}" for name, found in by_role.items()) or "- (no engine up)"
 
 
+def _count(n: int) -> str:
+    """1,234 below 10,000; then 12.3k, 1.98M: a cell an 80-column terminal keeps on one line."""
+    if n < 10_000:
+        return f"{n:,}"
+    return f"{n / 1e3:.1f}k" if n < 1_000_000 else f"{n / 1e6:.3g}M"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1e6:.1f} MB"
+
+
 def _rate(per_s: float) -> str:
     """Two decimals, or two significant digits below 0.1/s (a quiet app's 0.0083 is not 0.00)."""
     return f"{per_s:.2f}" if per_s >= 0.1 or per_s == 0 else f"{per_s:.2g}"
@@ -134,13 +148,19 @@ def _sec_ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def show(url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME) -> None:
+def show(url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME, as_json: bool = False) -> None:
+    """`pdd status`: the table, or with `as_json` the state, Prometheus' figures (null when
+    not shown) and the note saying why, as one JSON object for scripts."""
     state = fetch_state(url)
     try:
         snapshot, note = figures_to_show(state, fetch_snapshot(prometheus_url, config, app_name))
     except Exception as err:  # noqa: BLE001 - the state alone is still worth showing
         snapshot, note = None, f"Prometheus unavailable ({str(err)[:120]}); figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
-    console.print(render(state, snapshot, note))
+    if as_json:
+        figures = None if snapshot is None else snapshot.model_dump(mode="json")
+        console.print_json(data={"state": state, "prometheus": figures, "note": note})
+    else:
+        console.print(render(state, snapshot, note))
 
 
 def figures_to_show(state: dict[str, Any], snapshot: Any) -> tuple[Any | None, str]:

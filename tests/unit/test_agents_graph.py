@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -370,3 +371,26 @@ def test_entries_can_be_filed_by_hand(tmp_path):
     assert front["evidence"] == [{"query": "rate(x[1m])", "value": 2.5}]
     assert front["outcome"] == "applied" and len(front["outcomes"]) == 2
     assert "../wan_degradation.md" in body
+
+
+def test_history_and_pending_read_at_80_columns_and_as_json(tmp_path):
+    """A run line and ticks whose verification notes run long: no line takes more than two rows."""
+    config, cfg_file = cli_config(tmp_path, "act")
+    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS),
+                    router=RuleRouter(), clock=Clock(T0)) as s:
+        s.begin_run("pdd", new_cluster=True)
+        ticks = [s.tick()["tick"] for _ in range(3)]
+    runner = CliRunner()
+    out = runner.invoke(agents_cli, ["history", "--config", str(cfg_file)], env={"COLUMNS": "80"})
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(("run of", "tick-", "  "))]
+    assert all(len(line) <= 80 for line in lines)
+    assert all(b - a <= 2 for a, b in zip(starts, [*starts[1:], len(lines)])), out.output  # each record line wraps once at most
+    assert all(any(line.startswith(t) for line in lines) for t in ticks)
+    assert "  accepted: replicas.prefill: 1 -> 2" in lines and "  applied replicas.prefill: 1 -> 2" in lines
+    wide = runner.invoke(agents_cli, ["history", "--wide", "--config", str(cfg_file)], env={"COLUMNS": "200"})
+    assert wide.exit_code == 0 and "decisions / applied / verified" in wide.output
+    data = json.loads(runner.invoke(agents_cli, ["history", "--json", "--config", str(cfg_file)], env={"COLUMNS": "40"}).output)
+    assert {t["tick"] for t in data["ticks"]} == set(ticks) and data["runs"][0]["new_cluster"] is True
+    assert json.loads(runner.invoke(agents_cli, ["pending", "--json", "--config", str(cfg_file)]).output) == []

@@ -87,3 +87,24 @@ def test_pdd_status_tells_md_warm_ups_from_requests_and_what_routing_knows():
     rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[5:7]] for line in text.splitlines() if line.count("│") > 6}
     assert rows["main_decode"] == ["4 (2 warm-ups)", "1,234 of 8,000"] and rows["prefill"] == ["0", "0 of 900"]
     assert "prefix index saved 3 s ago" in text
+
+
+def test_pdd_status_reads_at_80_columns():
+    """No table cell wraps to more than two rows: a row's continuation lines have an empty first cell."""
+    fig = {"requests": 12, "ttft_ms": {"p50": 120.0, "p90": 2500.0, "p99": 4000.0}, "tpot_ms": {"p50": 10.0, "p90": 12.0, "p99": 30.0},
+           "max_gap_ms": {"p50": 100.0, "p90": 200.0, "p99": 13000.0}}
+    replica = {"in_flight": 12, "warming": 10, "known_blocks": 123456, "kv_blocks": 400000, "model_runner": "v1 (GPUModelRunner)"}
+    role = {"datacenter": "dc-b-frankfurt", "accelerator": "H200", "configured_replicas": 16, "replicas": [replica] * 16}
+    state = {"model": "deepseek-v4-pro", "mode": "pdd", "in_flight": 200,
+             "roles": {"prefill": {**role, "datacenter": "dc-a-virginia", "accelerator": "H100"}, "relay_decode": role, "main_decode": role},
+             "links": {"dc-a-virginia->dc-b-frankfurt": {"bandwidth_mbps": 40000, "rtt_ms": 80, "bytes_down": 123456789012, "is_cut": False}},
+             "knobs": LiveKnobs().model_dump(mode="json"),
+             "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {"P-RLD-MD": fig, "P-MD": fig, "P-P-MD": fig}}}}
+    console = Console(width=80, record=True)
+    console.print(render(state, None, "Prometheus shows no request rate yet (it counts from a series' second scrape)"))
+    lines = console.export_text().splitlines()
+    body = [line for line in lines if line.startswith("│")]
+    continued = [line.split("│")[1].strip() == "" for line in body]
+    assert not any(a and b for a, b in zip(continued, continued[1:])), "\n".join(lines)
+    assert "…" not in "\n".join(body), "a cell was cut"
+    assert sum(continued) < len(body)  # the check sees real rows
