@@ -78,6 +78,7 @@ from agents.controllers import fleet_cost
 from agents.figures import slo_figures, slo_score
 from agents.knobs import with_knobs
 from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
+from app import progress
 from app.config import LiveKnobs, PDDConfig, RoleName
 from app.config_file import load_config
 from app.sim import SimRun, Summary
@@ -160,7 +161,9 @@ class Twin:
         """Simulate the (point, seed) runs not remembered yet, on the setup's `jobs` processes."""
         missing = _missing(wanted, self.runs)
         s = self.setup
-        done = run_all(partial(_run_of, s), [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing], jobs=s.jobs)
+        with progress.steps(console, "simulations", len(missing)) as step:
+            done = run_all(partial(_run_of, s), [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing], jobs=s.jobs,
+                           on_done=lambda i, _: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}"))
         self.runs.update((key, run) for (key, _), run in zip(missing, done))
         self.sims += len(missing)
 
@@ -168,7 +171,9 @@ class Twin:
         """Goodput searches of the (point, seed) pairs not searched yet, on the setup's `jobs` processes."""
         missing = _missing(wanted, self.searches)
         s = self.setup
-        found = s.searches([(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing], rel_tol=rel_tol)
+        with progress.steps(console, "goodput searches", len(missing)) as step:
+            found = s.searches([(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing], rel_tol=rel_tol,
+                               on_done=lambda i, r: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}: {r.rps:.2f} RPS"))
         for (key, _), result in zip(missing, found):
             self.searches[key] = result.rps
             self.sims += len(result.probes)
@@ -450,12 +455,16 @@ def main() -> None:
 
     t_agents = time.perf_counter()
     options = dict(max_ticks=a.ticks, stable=a.stable, what_if=a.what_if)
-    if jobs > 1 and len(seeds) > 1:  # a seed's ticks run in turn, the seeds side by side
-        alone = run_all(partial(_agents_alone, setup, start=start, **options), seeds, jobs=jobs)
-        runs = [run for run, _ in alone]
-        twin.sims += sum(sims for _, sims in alone)
-    else:
-        runs = [run_agents(twin, start, seed, **options) for seed in seeds]
+    with progress.steps(console, "agent runs", len(seeds)) as step:
+        if jobs > 1 and len(seeds) > 1:  # a seed's ticks run in turn, the seeds side by side
+            alone = run_all(partial(_agents_alone, setup, start=start, **options), seeds, jobs=jobs, on_done=lambda i, _: step(f"seed {seeds[i]}"))
+            runs = [run for run, _ in alone]
+            twin.sims += sum(sims for _, sims in alone)
+        else:
+            runs = []
+            for seed in seeds:
+                runs.append(run_agents(twin, start, seed, **options))
+                step(f"seed {seed}")
     for run in runs:
         show_ticks(run, config, rps)
     t_agents = time.perf_counter() - t_agents

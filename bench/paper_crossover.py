@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rich.table import Table
 
+from app import progress
 from app.sim.cluster import cost_per_hour
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
@@ -65,7 +66,9 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     figs: dict[str, dict[str, list[float]]] = {"pdd": {}, "intra": {}}
     systems = (("pdd", pdd_cfg, pdd_rps), ("intra", intra_cfg, intra_rps))
     searches = [(name, cfg, seed, max(1.0, 0.6 * known)) for seed in range(seeds) for name, cfg, known in systems]
-    for (name, *_), found in zip(searches, t.searches([search for _, *search in searches])):
+    with progress.steps(console, "RPS in SLA per seed", len(searches)) as step:
+        found_all = t.searches([search for _, *search in searches], on_done=lambda i, r: step(f"seed {searches[i][2]} {searches[i][0]}: {r.rps:.2f} RPS"))
+    for (name, *_), found in zip(searches, found_all):
         f = figs[name]
         f.setdefault("rps", []).append(found.rps)
         if found.summary is not None:

@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
+from app import progress
 from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles, link_key
 from app.config_file import load_config
 from app.sim.cluster import cost_per_hour, derive
@@ -182,32 +183,44 @@ def best_split(name: str, counts: range, make, t: TimedTraffic) -> tuple[PDDConf
     seen: dict[int, float] = {}
     valid = [p for p in counts if make(p) is not None]
 
-    def rps(p: int) -> float:
-        if p not in seen:
-            c = make(p)
-            seen[p] = t.search(c, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
-            console.print(f"  split {name:15s} {fleet(c):48s} ${cost_per_hour(c):7.0f}/h: {seen[p]:6.2f} RPS in SLA")
-        return seen[p]
+    with progress.steps(console, f"splits of {name} (at most {most_splits(len(valid))})", most_splits(len(valid))) as step:
 
-    lo, hi = 0, len(valid) - 1
-    while hi - lo > 2:
-        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-        r1, r2 = rps(valid[m1]), rps(valid[m2])
-        if r1 < r2:
-            lo = m1 + 1
-        elif r1 > r2:
-            hi = m2 - 1
-        else:
-            lo, hi = m1, m2
-    best = max(valid[lo:hi + 1], key=rps)
+        def rps(p: int) -> float:
+            if p not in seen:
+                c = make(p)
+                seen[p] = t.search(c, 0, lo=max(max(seen.values(), default=8.0) * 0.5, 1.0)).rps
+                step(fleet(c), f"  split {name:15s} {fleet(c):48s} ${cost_per_hour(c):7.0f}/h: {seen[p]:6.2f} RPS in SLA")
+            return seen[p]
+
+        lo, hi = 0, len(valid) - 1
+        while hi - lo > 2:
+            m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+            r1, r2 = rps(valid[m1]), rps(valid[m2])
+            if r1 < r2:
+                lo = m1 + 1
+            elif r1 > r2:
+                hi = m2 - 1
+            else:
+                lo, hi = m1, m2
+        best = max(valid[lo:hi + 1], key=rps)
     return make(best), seen[best]
+
+
+def most_splits(n: int) -> int:
+    """The most splits best_split's search over `n` valid ones searches: two a round while more
+    than three are left (the largest third is kept at worst), then what is left."""
+    searched, left = 0, n
+    while left > 3:
+        searched, left = searched + 2, left - (left - 1) // 3 - 1
+    return searched + left
 
 
 def best_of(candidates: dict[str, PDDConfig], t: TimedTraffic, lo: float, incumbent: tuple[PDDConfig, float] | None = None) -> tuple[PDDConfig, float]:
     """The candidate sustaining the highest RPS in SLA (seed 0), `incumbent` (already searched) first; on a tie the first."""
     labels = list(candidates)
-    results = t.searches([(candidates[label], 0, max(lo, 1.0)) for label in labels],
-                         on_done=lambda i, r: console.print(f"  {labels[i]}: {r.rps:6.2f} RPS in SLA"))
+    with progress.steps(console, "candidates", len(labels)) as step:
+        results = t.searches([(candidates[label], 0, max(lo, 1.0)) for label in labels],
+                             on_done=lambda i, r: step(labels[i].strip(), f"  {labels[i]}: {r.rps:6.2f} RPS in SLA"))
     found = ([incumbent] if incumbent else []) + [(candidates[label], r.rps) for label, r in zip(labels, results)]
     return max(found, key=lambda x: x[1])
 
@@ -351,8 +364,10 @@ def main() -> None:
     # ---- per seed: RPS in SLA, then TTFT at each system's peak and at naive's --------------------
     per_seed: list[dict[str, dict[str, float]]] = [{} for _ in range(a.seeds)]
     searches = [(seed, name) for seed in range(a.seeds) for name in systems]
-    found_all = t.searches([(chosen[name], seed, max(1.0, 0.6 * known[name])) for seed, name in searches],
-                           on_done=lambda i, r: console.print(f"  seed {searches[i][0]} {searches[i][1]}: {r.rps:.2f} RPS in SLA"))
+    with progress.steps(console, "RPS in SLA per seed", len(searches)) as step:
+        found_all = t.searches([(chosen[name], seed, max(1.0, 0.6 * known[name])) for seed, name in searches],
+                               on_done=lambda i, r: step(f"seed {searches[i][0]} {searches[i][1]}",
+                                                         f"  seed {searches[i][0]} {searches[i][1]}: {r.rps:.2f} RPS in SLA"))
     for (seed, name), found in zip(searches, found_all):
         c = chosen[name]
         figs = per_seed[seed][name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
@@ -366,7 +381,10 @@ def main() -> None:
         common = min(figs[n]["rps"] for n in ("PDD", "intra-DC H100"))
         runs += [(seed, name, "common", common) for name in ("PDD", "intra-DC H100")]
         runs += [(seed, name, "naive", figs["naive cross-DC"]["rps"]) for name in ("PDD", "naive cross-DC")]
-    for (seed, name, load, rps), s in zip(runs, t.summaries([(chosen[name], rps, seed) for seed, name, _, rps in runs])):
+    with progress.steps(console, "runs at common loads", len(runs)) as step:
+        summaries = t.summaries([(chosen[name], rps, seed) for seed, name, _, rps in runs],
+                                on_done=lambda i, _: step(f"seed {runs[i][0]} {runs[i][1]} at {runs[i][2]} load"))
+    for (seed, name, load, rps), s in zip(runs, summaries):
         figs = per_seed[seed][name]
         figs.update({f"{load}_ttft50": s.ttft_s[0], f"{load}_ttft90": s.ttft_s[1], f"{load}_ttft99": s.ttft_s[2], f"load_{load}": rps})
         if load == "naive":

@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.faults import Faults
+from app import progress
 from app.config import PDDConfig
 from app.config_file import parse_config
 from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
@@ -124,8 +125,9 @@ def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
     )
 
 
-async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> tuple[LoadResult, list[str], list[Request]]:
-    """Sessions run as agents (turns in order); returns results, request ids and the trace as sent."""
+async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step: progress.Step) -> tuple[LoadResult, list[str], list[Request]]:
+    """Sessions run as agents (turns in order); returns results, request ids and the trace as sent.
+    `step(name)` as each request ends."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -183,8 +185,7 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int) -> t
         for i in turns:
             conversation = await one(i, conversation, rng)
             done += 1
-            if done % 10 == 0 or done == len(trace):
-                console.print(f"  {mode}: {done}/{len(trace)} requests")
+            step(f"{mode} {done}/{len(trace)}")
 
     await asyncio.gather(*(session(turns) for turns in sessions.values()))
     await client.close()
@@ -203,12 +204,12 @@ def calibration_trace(requests: int, rps: float, seed: int, span_s: float) -> li
     return list(scaled(trace, trace[-1].arrival_s / span_s)) if span_s > 0 and trace[-1].arrival_s > 0 else trace
 
 
-def calibrate(base_url: str, mode: str, trace: list[Request], seed: int, config: PDDConfig) -> None:
+def calibrate(base_url: str, mode: str, trace: list[Request], seed: int, config: PDDConfig, step: progress.Step) -> None:
     """Serve `mode` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    _, ids, _ = asyncio.run(replay(base_url, trace, mode, seed))
+    _, ids, _ = asyncio.run(replay(base_url, trace, mode, seed, lambda name: step(f"calibration {name}")))
     write_steps(steps_path(mode), fetch_journeys(base_url, ids), config)
 
 
@@ -262,7 +263,7 @@ def main() -> None:
     wan: dict[str, int] = {}
     pipelines: dict[str, dict[str, int]] = {}
     journeys: dict[str, list[dict]] = {}
-    with LocalApp(args, name="pipelines") as app:
+    with LocalApp(args, name="pipelines") as app, progress.steps(console, "requests", len(modes) * (len(trace) + len(calibration))) as step:
         wait_http(f"{app.base_url}/health")
         from ray import serve
 
@@ -270,14 +271,12 @@ def main() -> None:
         for mode in modes:
             take_app_steps("pipelines")  # steps from here on are this mode's (each write_steps takes them too)
             if a.calibration_requests:
-                console.print(f"[bold]{mode}[/bold], calibration replay")
-                calibrate(app.base_url, mode, calibration, a.seed + 1000, config)
+                calibrate(app.base_url, mode, calibration, a.seed + 1000, config, step)
             else:
                 steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
             conductor.reset_prefix_caches.remote().result()
             before = Faults("pipelines").link_counters(WAN)["bytes_down"]
-            console.print(f"[bold]{mode}[/bold]")
-            result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed))
+            result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed, step))
             journeys[mode] = fetch_journeys(app.base_url, ids)
             write_steps(steps_path(mode, "run"), journeys[mode], config)
             journeys_path(mode).write_text(json.dumps(journeys[mode]))

@@ -247,8 +247,11 @@ def calibrate(
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")
-            with console.status("calibrating") as status:
-                perf, samples = fit(config, role, progress=lambda msg: status.update(f"calibrating: {msg}"))
+            from app.progress import steps
+            from app.sim.calibrate import DECODE_SHAPES, PREFILL_TOKENS, PREFIX_SHAPES
+
+            with steps(console, "calibrating", 1 + len(PREFILL_TOKENS) + len(PREFIX_SHAPES) + len(DECODE_SHAPES)) as step:
+                perf, samples = fit(config, role, progress=lambda msg: step(msg, f"  {msg}"))
             text, summary = perf.to_json(), f"{len(samples)} steps measured: {perf.describe()}"
     except (ConfigError, ValueError, KeyError, OSError, ConnectionError) as err:
         console.print(f"[red]{err}[/red]")

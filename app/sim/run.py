@@ -237,9 +237,10 @@ class TimedTraffic:
         """`search` for each (config, seed, lo), on `jobs` processes, in order; `on_done(index, result)` as each ends."""
         return run_all(partial(_search_of, self, rel_tol=rel_tol), searches, jobs=self.jobs, on_done=on_done)
 
-    def summaries(self, runs: Iterable[tuple[PDDConfig, float, int]]) -> list[Summary]:
-        """The measured window's figures of `run` for each (config, rps, seed), on `jobs` processes, in order."""
-        return run_all(partial(_window_of, self), runs, jobs=self.jobs)
+    def summaries(self, runs: Iterable[tuple[PDDConfig, float, int]], on_done: Callable[[int, Summary], None] | None = None) -> list[Summary]:
+        """The measured window's figures of `run` for each (config, rps, seed), on `jobs` processes, in order;
+        `on_done(index, summary)` as each ends."""
+        return run_all(partial(_window_of, self), runs, jobs=self.jobs, on_done=on_done)
 
 
 def _search_of(traffic: TimedTraffic, search: tuple[PDDConfig, int, float], rel_tol: float) -> SearchResult:
