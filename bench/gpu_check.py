@@ -14,7 +14,7 @@ A step that fails is reported and the next still runs; the exit status is
 non-zero if any failed. Each step has a time limit; together they fit in 8
 minutes, install included, on a machine that reaches the package index.
 
-    python3 bench/gpu_check.py [--out DIR] [--skip-install] [--dry-run]
+    python3 bench/gpu_check.py [--out DIR] [--skip-install | --python PATH] [--dry-run]
 
 `--dry-run` prints every step and checks, without a GPU, that the commands,
 flags, configs and files it would use exist.
@@ -53,8 +53,8 @@ class Step:
     """Files the step writes under the run's folder."""
 
 
-def steps(out: Path, skip_install: bool) -> list[Step]:
-    py = str(VENV_PYTHON)
+def steps(out: Path, skip_install: bool, python: Path = VENV_PYTHON) -> list[Step]:
+    py = str(python)
     bench_out = {"PDD_BENCH_OUT": str(out)}
     plan = [
         Step("gpu", ["nvidia-smi"], 10, "the card, its driver and memory", outputs=("gpu.log",)),
@@ -77,7 +77,7 @@ def steps(out: Path, skip_install: bool) -> list[Step]:
     return [s for s in plan if not (skip_install and s.name == "install")]
 
 
-def dry_run(plan: list[Step], out: Path) -> list[str]:
+def dry_run(plan: list[Step], out: Path, python: Path = VENV_PYTHON) -> list[str]:
     """Print the plan; return what would stop it (empty: ready)."""
     problems = []
     total = sum(s.timeout_s for s in plan)
@@ -88,7 +88,7 @@ def dry_run(plan: list[Step], out: Path) -> list[str]:
         tool = s.argv[0]
         if tool == "nvidia-smi" and shutil.which(tool) is None:
             print("     (no nvidia-smi here: it comes with the GPU machine's driver)")
-        elif tool != str(VENV_PYTHON) and shutil.which(tool) is None:
+        elif tool != str(python) and shutil.which(tool) is None:
             problems.append(f"{s.name}: command {tool!r} not found")
         if s.script is not None:
             problems += [f"{s.name}: {s.script.name} has no {flag}" for flag in _flags(s.argv) if flag not in _declared_flags(s.script)]
@@ -105,7 +105,7 @@ def dry_run(plan: list[Step], out: Path) -> list[str]:
         make = subprocess.run(["make", "-n", "install", "EXTRAS=gpu,test"], cwd=ROOT, capture_output=True, text=True)
         if make.returncode:
             problems.append(f"make -n install EXTRAS=gpu,test: {make.stderr.strip()}")
-    problems += _check_configs()
+    problems += _check_configs(python)
     return problems
 
 
@@ -117,10 +117,12 @@ def _declared_flags(script: Path) -> set[str]:
     return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', script.read_text()))
 
 
-def _check_configs() -> list[str]:
-    """The app configs the GPU steps deploy, validated by the app's own loader (needs the venv)."""
-    if not VENV_PYTHON.exists():
-        print("  configs: not checked (no .venv yet: `make install` first)")
+def _check_configs(python: Path) -> list[str]:
+    """The app configs the GPU steps deploy, validated by the app's own loader (needs the environment installed)."""
+    if not python.exists():
+        if python != VENV_PYTHON:
+            return [f"--python {python}: no such interpreter"]
+        print("  configs: not checked (no .venv yet: the install step makes it)")
         return []
     probe = (
         "from bench.pipelines import bench_args; from bench.serve_overhead import colocated_args; "
@@ -131,12 +133,12 @@ def _check_configs() -> list[str]:
         "print('  configs: ' + ', '.join(f\"{name} ({args['model'].get('dtype', 'float32')}, {len([r for r in args['roles'].values() if r.get('replicas', 1)])} engines \""
         "f\"of {args['node_groups']['gpu-a']['num_gpus']} GPU)\" for name, args in configs.items()) + ': valid')"
     )
-    result = subprocess.run([str(VENV_PYTHON), "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([str(python), "-c", probe], cwd=ROOT, capture_output=True, text=True)
     print(result.stdout.rstrip())
     return [] if result.returncode == 0 else [f"configs: {result.stderr.strip().splitlines()[-1]}"]
 
 
-def run(plan: list[Step], out: Path) -> dict:
+def run(plan: list[Step], out: Path, python: Path = VENV_PYTHON) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     started = time.monotonic()
@@ -145,7 +147,7 @@ def run(plan: list[Step], out: Path) -> dict:
         print(f"[{i}/{len(plan)}] {s.name} (limit {s.timeout_s} s, {time.monotonic() - started:.0f} s so far): {s.what}", flush=True)
         t0 = time.monotonic()
         with log.open("w") as f:
-            rc = _run_step(s, f)
+            rc = _run_step(s, f, python)
         seconds = time.monotonic() - t0
         status = "ok" if rc == 0 else f"failed ({rc})"
         print(f"      {status} in {seconds:.0f} s; last lines of {log}:")
@@ -157,7 +159,7 @@ def run(plan: list[Step], out: Path) -> dict:
     return summary
 
 
-def _run_step(s: Step, log) -> int | str:
+def _run_step(s: Step, log, python: Path) -> int | str:
     """The step's exit status, or why it has none. A step past its limit is killed with
     everything it started (its Ray cluster, engines holding GPU memory), so the next
     step starts on a free card."""
@@ -170,8 +172,8 @@ def _run_step(s: Step, log) -> int | str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        if VENV_PYTHON.exists():  # engines Ray left behind, reparented to init
-            subprocess.run([str(VENV_PYTHON), "-c", "from app.cluster import kill_orphans; kill_orphans()"], cwd=ROOT)
+        if python.exists():  # engines Ray left behind, reparented to init
+            subprocess.run([str(python), "-c", "from app.cluster import kill_orphans; kill_orphans()"], cwd=ROOT)
         return "timeout"
 
 
@@ -192,17 +194,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="folder for every output (default bench/out/gpu_check-DATE)")
     ap.add_argument("--skip-install", action="store_true", help="the venv is already installed with EXTRAS=gpu,test")
+    ap.add_argument("--python", type=Path, default=None,
+                    help="run the steps with this interpreter, whose environment already holds CUDA vllm and the test extras "
+                         "(a machine that reaches no package index); implies --skip-install")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and check what they use; run nothing")
     a = ap.parse_args()
     out = (a.out or ROOT / "bench" / "out" / f"gpu_check-{datetime.datetime.now():%Y%m%d-%H%M%S}").resolve()
-    plan = steps(out, a.skip_install)
+    python = a.python.absolute() if a.python else VENV_PYTHON
+    plan = steps(out, a.skip_install or a.python is not None, python)
     if a.dry_run:
-        problems = dry_run(plan, out)
+        problems = dry_run(plan, out, python)
         for p in problems:
             print(f"problem: {p}")
         print("dry run: ready" if not problems else f"dry run: {len(problems)} problem(s)")
         sys.exit(1 if problems else 0)
-    summary = run(plan, out)
+    summary = run(plan, out, python)
     failed = [r["step"] for r in summary["steps"] if r["status"] != "ok"]
     print(f"gpu_check: {len(plan) - len(failed)} of {len(plan)} steps ok in {summary['total_s']:.0f} s; figures {summary['figures']}; "
           f"everything in {out}")

@@ -25,3 +25,9 @@ def test_the_dry_run_reports_a_flag_the_bench_does_not_declare_and_a_plan_over_i
     problems = dry_run(plan, tmp_path)
     assert "pipelines: pipelines.py has no --no-such-flag" in problems
     assert any("over the 8 minutes" in p for p in problems)
+
+
+def test_a_prepared_interpreter_replaces_the_install_step_and_must_exist(tmp_path):
+    plan = steps(tmp_path, skip_install=True, python=tmp_path / "missing-python")
+    assert "install" not in [s.name for s in plan] and plan[2].argv[0] == str(tmp_path / "missing-python")
+    assert f"--python {tmp_path / 'missing-python'}: no such interpreter" in dry_run(plan, tmp_path, tmp_path / "missing-python")
