@@ -236,12 +236,14 @@ def run(
 
 
 def _api_headers(config) -> dict[str, str]:
-    """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY, else the config's or PDD_API_KEYS' first."""
+    """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY (`pdd status`'s), else one the app serves with."""
     import os
 
-    keys = [os.environ.get("PDD_API_KEY", ""), *config.server.api_keys, *os.environ.get("PDD_API_KEYS", "").split(",")]
-    key = next((k.strip() for k in keys if k.strip()), None)
-    return {"authorization": f"Bearer {key}"} if key else {}
+    from app.status import api_headers
+
+    served = [*config.server.api_keys, *(k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(","))]
+    key = next((k for k in served if k), None)
+    return api_headers() or ({"authorization": f"Bearer {key}"} if key else {})
 
 
 def failure_summary(message: str) -> str:

@@ -133,10 +133,7 @@ def _count(n: int) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _rate(per_s: float) -> str:

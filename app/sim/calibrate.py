@@ -174,7 +174,8 @@ async def measure(
     adds time to a run, and one slow run would otherwise pull the fit."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from app.engine import engine_args, set_engine_env
+    from app.engine import engine_args
+    from app.engine_env import set_engine_env
 
     progress("starting the engine")
     set_engine_env(config, role)

@@ -1,0 +1,62 @@
+"""The process environment an engine starts with: the model runner the config chose
+and, on CPU, how engines that share a host share its cores."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+
+from app.config import PDDConfig, RoleName
+
+logger = logging.getLogger(__name__)
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+#: VLLM_USE_V2_MODEL_RUNNER for each `engine.model_runner` (None: unset, vLLM decides).
+RUNNER_ENV = {"v1": "0", "v2": "1", "auto": None}
+
+
+def engine_env(config: PDDConfig, role: RoleName, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The variables a role's engine reads at start, given the environment it would
+    inherit (None: unset). The operator's settings win, except the model runner's."""
+    rc = config.roles.get(role)
+    if rc is None:
+        raise KeyError(f"roles.{role.value} is not configured")
+    # The runner is the config's choice: on CUDA vLLM would pick V2, where carried sampling does not run.
+    runner = RUNNER_ENV[rc.engine.model_runner]
+    inherited = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if inherited is not None and inherited != runner:
+        logger.warning("VLLM_USE_V2_MODEL_RUNNER=%s ignored: roles.%s.engine.model_runner is %s", inherited, role.value, rc.engine.model_runner)
+    env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": runner}
+    if on_cpu():
+        # Read by the engine's worker process at start; whole GiB only.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(rc.engine.kv_cache_gib)))
+        # vLLM's CPU binding assumes an engine owns its host: it pins every engine's
+        # worker to the same core, so the app's engines took turns on it while the
+        # others idled. Here engines share hosts: the OS spreads them, each
+        # with as many threads as its node group's CPUs (Ray's rule for its workers,
+        # applied here for engines started outside Ray: calibration).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env["OMP_NUM_THREADS"] = environ.get("OMP_NUM_THREADS", str(max(1, math.floor(config.node_groups[rc.node_group].num_cpus))))
+        # On CPU, vLLM runs the model in a second process fed through shared
+        # memory, and both processes busy-poll for a second after each message.
+        # With several engines on a few cores the polling took the models' CPU.
+        # Off, the model runs in the engine core process, as on GPUs.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return env
+
+
+def set_engine_env(config: PDDConfig, role: RoleName) -> None:
+    """Set this process's environment for a role's engine (call before creating it)."""
+    for name, value in engine_env(config, role, os.environ).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
