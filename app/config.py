@@ -20,7 +20,8 @@ from pydantic.fields import FieldInfo
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # attribute docstrings become field descriptions: the JSON schema and chat-ops show them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class Mode(str, Enum):

@@ -23,31 +23,21 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from agents.chatops import records
 from agents.chatops.graph import MAX_ROUNDS, ChatDeps, build_chat_graph, text_of
 from agents.chatops.propose import ProposalDesk
+from agents.chatops.rules import RuleAgent
 from agents.chatops.sources import DataSource
 from agents.chatops.templates import templates
 from agents.chatops.tools import Toolbox
+from agents.observe import PromSource
 from agents.queries import QuerySet
 from agents.router import chat_model
 from agents.whatif import WhatIf
 from app.config import AgentsConfig, PDDConfig
 
-NO_LLM = (
-    "Chat-ops needs an LLM and none is configured. Set `agents.llm` in the serve config: "
-    "`base_url` (any OpenAI-compatible endpoint, e.g. this cluster's http://HOST:8000/v1), "
-    "`model` (the model name it serves) and `api_key_env` (the environment variable holding its key, "
-    "default PDD_AGENT_LLM_API_KEY). `pdd status` shows what is configured."
-)
 
-
-class NoLLMConfigured(RuntimeError):
-    """`agents.llm` is unset; the message says how to set it."""
-
-
-def llm_for(agents: AgentsConfig) -> BaseChatModel:
-    """The configured OpenAI-compatible chat model (langchain-openai), as the swarm builds it."""
-    if agents.llm is None:
-        raise NoLLMConfigured(NO_LLM)
-    return chat_model(agents.llm)
+def llm_for(agents: AgentsConfig) -> BaseChatModel | None:
+    """The configured OpenAI-compatible chat model (langchain-openai), as the swarm builds it;
+    None when `agents.llm` is unset (chat-ops then answers by rules, agents/chatops/rules.py)."""
+    return None if agents.llm is None else chat_model(agents.llm)
 
 
 async def sqlite_checkpointer(path: str | Path) -> AsyncSqliteSaver:
@@ -89,16 +79,17 @@ class ChatAgent:
 def build_agent(
     config: PDDConfig,
     *,
-    llm: BaseChatModel,
+    llm: BaseChatModel | None,
     source: DataSource,
     app_name: str,
-    checkpointer: BaseCheckpointSaver,
+    checkpointer: BaseCheckpointSaver | None,
     runbooks_dir: Path = records.RUNBOOKS,
     what_if: WhatIf | None = None,
     clock: Callable[[], float] = time.time,
-) -> ChatAgent:
+) -> ChatAgent | RuleAgent:
     """A chat agent for one cluster: its Prometheus, its audit trail, its approval flow.
 
+    With no `llm`, the rule answerer over the same tools (it needs no checkpointer).
     `what_if`: the digital twin's (agents.whatif.load_what_if()); None leaves that tool out.
     """
     agents = config.agents
@@ -112,5 +103,11 @@ def build_agent(
         actions_dir=records.resolve_dir(agents.actions_dir),
         runbooks_dir=runbooks_dir,
         what_if=what_if,
+        observe=PromSource(agents.prometheus_url, queries).snapshot,
     )
-    return ChatAgent(ChatDeps(llm=llm, toolbox=toolbox, desk=ProposalDesk(config, clock=clock), source=source), checkpointer)
+    desk = ProposalDesk(config, clock=clock)
+    if llm is None:
+        return RuleAgent(config, toolbox, desk, source)
+    if checkpointer is None:
+        raise ValueError("a chat agent with an LLM needs a conversation checkpointer")
+    return ChatAgent(ChatDeps(llm=llm, toolbox=toolbox, desk=desk, source=source), checkpointer)

@@ -26,7 +26,7 @@ def ask(
 
     Read-only: a change you ask for is filed for approval (`pdd agents pending`), never made.
     """
-    from agents.chatops.agent import NoLLMConfigured, llm_for
+    from agents.chatops.agent import llm_for
     from agents.runner import load
 
     try:
@@ -35,12 +35,7 @@ def ask(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     try:
-        llm = llm_for(config.agents)
-    except NoLLMConfigured as err:
-        console.print(f"[yellow]{err}[/yellow]", soft_wrap=True)
-        raise typer.Exit(2) from None
-    try:
-        asyncio.run(_converse(config, app_name, llm, question, thread, url, api_key))
+        asyncio.run(_converse(config, app_name, llm_for(config.agents), question, thread, url, api_key))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 
@@ -51,21 +46,23 @@ async def _converse(config, app_name: str, llm, question: str, thread: str | Non
     from agents.whatif import load_what_if
 
     source = HttpSource(url, api_key)
-    saver = await sqlite_checkpointer(config.agents.chat_db)
+    saver = await sqlite_checkpointer(config.agents.chat_db) if llm is not None else None
     thread_id = thread or new_thread_id()
     try:
         agent = build_agent(config, llm=llm, source=source, app_name=app_name, checkpointer=saver, what_if=load_what_if())
         async for event in agent.ask(question, thread_id):
-            show(event)
+            show(event, conversation=llm is not None)
     except Exception as err:  # noqa: BLE001 - the endpoint, Prometheus or the model failed: say which, no traceback
         console.print(f"\n[red]chat-ops failed: {type(err).__name__}: {err}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     finally:
         await source.aclose()
-        await saver.conn.close()
+        if saver is not None:
+            await saver.conn.close()
 
 
-def show(event: dict) -> None:
+def show(event: dict, conversation: bool = True) -> None:
+    """One chat event on the terminal; `conversation`: whether a thread can be continued (only with an LLM)."""
     kind = event["type"]
     if kind == "text":
         console.print(event["text"], end="", markup=False, highlight=False, soft_wrap=True)
@@ -79,4 +76,5 @@ def show(event: dict) -> None:
         console.print("[bold]figures used[/bold]" if figures else "[dim]no figures fetched for this answer[/dim]")
         for f in figures:
             console.print(f"  {Figure.model_validate(f).line()}", markup=False, highlight=False, soft_wrap=True)
-        console.print(f"[dim]thread {event['thread_id']} (continue with --thread {event['thread_id']})[/dim]")
+        if conversation:
+            console.print(f"[dim]thread {event['thread_id']} (continue with --thread {event['thread_id']})[/dim]")

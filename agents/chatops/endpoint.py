@@ -56,18 +56,17 @@ class ChatEndpoint:
                 from agents.chatops.sources import InProcessSource
                 from agents.whatif import load_what_if
 
-                saver = await sqlite_checkpointer(self.config.agents.chat_db)
+                llm = llm_for(self.config.agents)
+                saver = await sqlite_checkpointer(self.config.agents.chat_db) if llm is not None else None
                 self._agent = build_agent(
-                    self.config, llm=llm_for(self.config.agents), source=InProcessSource(self.conductor),
+                    self.config, llm=llm, source=InProcessSource(self.conductor),
                     app_name=self.app_name, checkpointer=saver, what_if=load_what_if(),
                 )
             return self._agent
 
     async def respond(self, body: ChatOpsRequest, key: str) -> StreamingResponse:
-        from agents.chatops.agent import NO_LLM, new_thread_id
+        from agents.chatops.agent import new_thread_id
 
-        if self.config.agents.llm is None:
-            raise APIError(503, NO_LLM, type="server_error", code="llm_not_configured")
         agent = await self.agent()
         thread = body.thread_id or new_thread_id()
         scoped = f"{hashlib.sha256(key.encode()).hexdigest()[:16]}/{thread}" if key else thread

@@ -62,7 +62,7 @@ def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _has_word(text: str, phrase: str) -> bool:
+def has_word(text: str, phrase: str) -> bool:
     return re.search(rf"(?<![\w]){re.escape(phrase)}(?![\w])", text) is not None
 
 
@@ -73,7 +73,7 @@ def numbers_in(text: str) -> list[float]:
 def _mentions_value_word(text: str) -> bool:
     words = {normalize(str(v)) for values in CHOICE_KNOBS.values() for v in values if isinstance(v, str)}
     switches = [w for w in (*TRUE_WORDS, *FALSE_WORDS) if w not in ("yes", "no")]
-    return any(_has_word(text, w) for w in (*words, *switches))
+    return any(has_word(text, w) for w in (*words, *switches))
 
 
 def asks_for_change(message: str) -> bool:
@@ -88,7 +88,7 @@ def asks_for_change(message: str) -> bool:
     first = text.split(" ", 1)[0]
     if first in QUESTION_WORDS or (text.endswith("?") and not POLITE.match(text)):
         return False
-    if not any(_has_word(text, v) for v in CHANGE_VERBS):
+    if not any(has_word(text, v) for v in CHANGE_VERBS):
         return False
     return bool(numbers_in(text)) or _mentions_value_word(text)
 
@@ -96,13 +96,13 @@ def asks_for_change(message: str) -> bool:
 def mentions_target(target: str, message: str) -> bool:
     """The message names the target (its path, or a word operators use for it)."""
     text = normalize(message)
-    if _has_word(text, normalize(target)):
+    if has_word(text, normalize(target)):
         return True
     if target.startswith(REPLICAS):
         aliases = ROLE_ALIASES.get(target.removeprefix(REPLICAS), ())
     else:
         aliases = KNOB_ALIASES.get(target, ())
-    return any(_has_word(text, a) for a in aliases)
+    return any(has_word(text, a) for a in aliases)
 
 
 def number_grounded(value: float, message: str) -> bool:
@@ -118,13 +118,13 @@ def choice_grounded(value: object, message: str) -> bool:
     """The message contains this choice (`one_shot` as "one-shot", True as "enable"/"on")."""
     text = normalize(message)
     if isinstance(value, bool):
-        return any(_has_word(text, w) for w in (TRUE_WORDS if value else FALSE_WORDS))
-    return _has_word(text, normalize(str(value)))
+        return any(has_word(text, w) for w in (TRUE_WORDS if value else FALSE_WORDS))
+    return has_word(text, normalize(str(value)))
 
 
 def direction(message: str) -> int:
     """+1 when the message only says "more" (increase, add, ...), -1 when it only says "less", else 0."""
     text = normalize(message)
-    up = any(_has_word(text, v) for v in UP_VERBS)
-    down = any(_has_word(text, v) for v in DOWN_VERBS)
+    up = any(has_word(text, v) for v in UP_VERBS)
+    down = any(has_word(text, v) for v in DOWN_VERBS)
     return up - down

@@ -1,4 +1,4 @@
-"""Read-only access to what the agents wrote: runbooks, action entries, tick history.
+"""Read-only access to what the agents wrote: runbooks, action entries, tick history, memory.
 
 Runbooks are runbooks/<situation>.md; action entries are the markdown files
 agents/entries.py files (YAML front matter); tick summaries live in the audit
@@ -9,13 +9,16 @@ database is opened read-only.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from langgraph.store.sqlite import SqliteStore
 
 from agents.entries import read_entry
-from agents.memory import read_history
+from agents.memory import Memory, StoreBackend, read_history
+
+T = TypeVar("T")
 
 #: The repository root: runbooks/ sits next to agents/.
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,15 +64,25 @@ def recent_entries(directory: Path, limit: int) -> list[dict[str, Any]]:
     return out
 
 
-def recent_ticks(audit_db: str | Path, limit: int) -> list[dict[str, Any]]:
-    """The newest tick summaries from the audit database (none when it does not exist yet)."""
+def _read_store(audit_db: str | Path, read: Callable[[SqliteStore], T], empty: T) -> T:
+    """`read` over the audit database's store, opened read-only; `empty` when there is none yet."""
     db = Path(audit_db).expanduser()
     if not db.exists():
-        return []
+        return empty
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, isolation_level=None, timeout=10)
     try:
-        return read_history(SqliteStore(conn), limit)
+        return read(SqliteStore(conn))
     except sqlite3.OperationalError:
-        return []
+        return empty
     finally:
         conn.close()
+
+
+def recent_ticks(audit_db: str | Path, limit: int) -> list[dict[str, Any]]:
+    """The newest tick summaries from the audit database (none when it does not exist yet)."""
+    return _read_store(audit_db, lambda store: read_history(store, limit), [])
+
+
+def agent_memory(audit_db: str | Path) -> Memory:
+    """What the agents remember (situation streaks, proposals awaiting approval), read-only."""
+    return _read_store(audit_db, lambda store: StoreBackend(store).load(), Memory())

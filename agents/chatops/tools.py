@@ -2,7 +2,8 @@
 
 PromQL (named templates or raw, against the real Prometheus), the cluster's
 state, one request's journey, recent requests, the agents' recent actions, a
-runbook, and the digital twin's what-if when the twin ships one
+runbook, the agents' diagnosis now (their own checks on a fresh snapshot),
+and the digital twin's what-if when the twin ships one
 (agents/whatif.py's interface). Each call yields the data the model sees
 (fenced, agents/chatops/evidence.py) and the figures the answer will cite.
 Filing a proposal is not among them: it lives in agents/chatops/propose.py
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from agents.chatops import records
 from agents.chatops.evidence import Figure, as_data, clip, number
 from agents.chatops.sources import DataSource, SourceError, live_values
 from agents.chatops.templates import Template, catalogue
+from agents.diagnose import diagnose
+from agents.observe import ObserveError, Snapshot
 from agents.whatif import WhatIf, predict
 from app.config import PDDConfig
 
@@ -102,6 +107,7 @@ class Toolbox:
         actions_dir: Path,
         runbooks_dir: Path = records.RUNBOOKS,
         what_if: WhatIf | None = None,
+        observe: Callable[[float], Snapshot] | None = None,
         prometheus_timeout_s: float = 15.0,
     ):
         self.config = config
@@ -114,6 +120,7 @@ class Toolbox:
         self.actions_dir = actions_dir
         self.runbooks_dir = runbooks_dir
         self.what_if = what_if
+        self.observe = observe
         self._tools = {t.name: t for t in self._build()}
 
     @property
@@ -179,8 +186,9 @@ class Toolbox:
     async def agent_actions(self, limit: int = 10) -> ToolOutput:
         ticks = await asyncio.to_thread(records.recent_ticks, self.audit_db, limit)
         entries = await asyncio.to_thread(records.recent_entries, self.actions_dir, limit)
-        data = {"ticks": ticks, "action_entries": entries}
-        value = f"{len(ticks)} ticks, {len(entries)} action entries" + (f", newest entry {entries[0]['file']}" if entries else "")
+        pending = (await asyncio.to_thread(records.agent_memory, self.audit_db)).pending
+        data = {"ticks": ticks, "action_entries": entries, "pending": pending}
+        value = f"{len(ticks)} ticks, {len(entries)} action entries, {len(pending)} awaiting approval" + (f", newest entry {entries[0]['file']}" if entries else "")
         return ToolOutput(data, [Figure(source="audit", query=f"{self.audit_db} + {self.actions_dir}", value=value)])
 
     async def read_runbook(self, situation: str) -> ToolOutput:
@@ -189,6 +197,25 @@ class Toolbox:
             raise ToolFailed(f"no runbook for '{situation}'; runbooks: {', '.join(records.runbook_names(self.runbooks_dir))}")
         name = "_".join(situation.strip().lower().replace("-", " ").split())
         return ToolOutput({"situation": name, "runbook": text}, [Figure(source="runbook", query=f"runbooks/{name}.md", value=f"{len(text.splitlines())} lines")])
+
+    async def diagnosis(self) -> ToolOutput:
+        """The agents' own checks (agents/diagnose.py) on a fresh snapshot, with their streaks so far."""
+        assert self.observe is not None
+        now = time.time()
+        try:
+            snap = await asyncio.to_thread(self.observe, now)
+        except ObserveError as err:
+            raise ToolFailed(str(err)) from err
+        knobs, _ = live_values(await self.source.state())
+        memory = await asyncio.to_thread(records.agent_memory, self.audit_db)
+        found, _ = diagnose(snap, self.config, self.config.agents, knobs, memory, now)
+        situations = [{
+            "situation": s.key, "summary": s.summary, "severity": s.severity, "specialists": s.specialists,
+            "runbook": f"runbooks/{s.name}.md", "evidence": [e.model_dump(exclude_defaults=True) for e in s.evidence],
+        } for s in found]
+        value = "; ".join(f"{s.key}: {s.summary}" for s in found) or "no situation"
+        query = f"the agents' checks over {len(snap.promql)} Prometheus queries (window {snap.window_s:g} s)"
+        return ToolOutput({"situations": situations}, [Figure(source="diagnosis", query=query, value=clip(value))])
 
     async def twin_what_if(self, load_rps: float, replicas: dict[str, int] | None = None) -> ToolOutput:
         assert self.what_if is not None
@@ -226,13 +253,18 @@ class Toolbox:
             ),
             StructuredTool.from_function(
                 coroutine=self.agent_actions, name="agent_actions", args_schema=Limit,
-                description="What the ops agents did recently: tick summaries from the audit trail and runbook action entries (situation, evidence, change, outcome).",
+                description="What the ops agents did recently: tick summaries from the audit trail, runbook action entries (situation, evidence, change, outcome) and the proposals awaiting approval (target -> tick).",
             ),
             StructuredTool.from_function(
                 coroutine=self.read_runbook, name="read_runbook", args_schema=RunbookQuery,
                 description="Read the runbook for a situation. Runbooks: " + ", ".join(records.runbook_names(self.runbooks_dir)),
             ),
         ]
+        if self.observe is not None:
+            tools.append(StructuredTool.from_function(
+                coroutine=self.diagnosis, name="diagnosis", args_schema=NoArgs,
+                description="The ops agents' diagnosis now: each situation (RLD overload, WAN degradation, SLO breaches, ...) with its evidence, the specialists that act on it and its runbook.",
+            ))
         if self.what_if is not None:
             tools.append(StructuredTool.from_function(
                 coroutine=self.twin_what_if, name="twin_what_if", args_schema=WhatIfQuery,

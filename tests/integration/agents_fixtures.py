@@ -18,7 +18,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from agents.actuate import DryRunActuator
+from agents.observe import StaticSource
 from agents.queries import SERVE_HEALTH_CHECK_FAILURES, SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
+from agents.router import RuleRouter
+from agents.runner import Swarm
 from app import metrics as m
 from app.config import PDDConfig
 from app.metrics import MetricSpec, prom_name
@@ -53,6 +57,12 @@ def pdd_args(**agents: Any) -> dict[str, Any]:
 
 def pdd_config(**agents: Any) -> PDDConfig:
     return PDDConfig.model_validate(pdd_args(**agents))
+
+
+def pending(config: PDDConfig) -> list[dict]:
+    """The proposals awaiting approval in the config's audit database (`pdd agents pending`)."""
+    with Swarm.open(config, source=StaticSource(), actuator=DryRunActuator(config.live_knobs(), {}), router=RuleRouter()) as s:
+        return s.pending()
 
 
 @dataclass

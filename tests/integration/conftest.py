@@ -177,12 +177,12 @@ def knobs(app):
 
 
 @contextmanager
-def ray_prometheus(workdir: Path, rule_files: list[Path] | None = None) -> Iterator[PrometheusServer]:
+def ray_prometheus(workdir: Path, rule_files: list[Path] | None = None, port: int | None = None) -> Iterator[PrometheusServer]:
     """A real Prometheus scraping every Ray node's metrics every 3 s. A scrape may last
     no longer than its interval; at 1 s, late in a full run on a loaded machine, every
     query came back empty (suspected: Ray's page, with every app the session deployed,
     took longer)."""
-    server = PrometheusServer(port=free_port(), scrape_interval_s=3, file_sd=ray_service_discovery_file(), rule_files=rule_files or [], workdir=workdir)
+    server = PrometheusServer(port=port or free_port(), scrape_interval_s=3, file_sd=ray_service_discovery_file(), rule_files=rule_files or [], workdir=workdir)
     server.start()
     try:
         yield server

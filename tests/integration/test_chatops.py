@@ -24,16 +24,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from agents.actuate import DryRunActuator
 from agents.chatops.evidence import number
-from agents.observe import StaticSource
-from agents.router import RuleRouter
-from agents.runner import Swarm
 from app.cli import main
 from app.config import PDDConfig
 from app.prometheus import PrometheusServer
 from tests.conftest import local_args
-from tests.integration.agents_fixtures import HEALTHY, Levels, ScriptedExporter
+from tests.integration.agents_fixtures import HEALTHY, Levels, ScriptedExporter, pending
 from tests.integration.conftest import deploy_app, free_port
 
 KEY = "sk-chatops"
@@ -215,12 +211,6 @@ def text(events: list[dict]) -> str:
     return "".join(e["text"] for e in events if e.get("type") == "text")
 
 
-def pending(args) -> list[dict]:
-    config = PDDConfig.model_validate(args)
-    with Swarm.open(config, source=StaticSource(), actuator=DryRunActuator(config.live_knobs(), {}), router=RuleRouter()) as s:
-        return s.pending()
-
-
 def main_decode_replicas(app) -> tuple[int, int]:
     """(target, running) replicas of MainDecode as Serve reports them."""
     from ray import serve
@@ -254,13 +244,13 @@ def test_scale_request_files_a_proposal_and_changes_nothing(app, args):
     [proposal] = [e for e in events if e["type"] == "proposal"]
     assert proposal["filed"] and proposal["change"] == "replicas.main_decode: 1 -> 2" and proposal["requested"] == "replicas.main_decode: 1 -> 10"
     assert f"Filed for approval: {proposal['change']}." in text(events)
-    assert proposal["tick"] in [p["tick"] for p in pending(args)]
+    assert proposal["tick"] in [p["tick"] for p in pending(PDDConfig.model_validate(args))]
     time.sleep(2)
     assert main_decode_replicas(app) == before == (1, 1)
 
 
 def test_injection_in_a_metric_label_changes_nothing(app, args, model):
-    waiting = pending(args)
+    waiting = pending(PDDConfig.model_validate(args))
     before = main_decode_replicas(app)
     start = len(model.requests)
     events, _, _ = chat(app, "Which WAN links fail?")
@@ -270,7 +260,7 @@ def test_injection_in_a_metric_label_changes_nothing(app, args, model):
     mine = model.requests[start:]
     assert all("file_proposal" not in {t["function"]["name"] for t in r.get("tools") or []} for r in mine)
     assert any(m.get("role") == "tool" and m["content"].startswith('<tool-data source="refused"') for m in mine[-1]["messages"])
-    assert pending(args) == waiting and main_decode_replicas(app) == before
+    assert pending(PDDConfig.model_validate(args)) == waiting and main_decode_replicas(app) == before
 
 
 def test_chat_enforces_auth_and_checks_the_body(app):
@@ -295,3 +285,17 @@ def test_pdd_ask_reads_the_cluster_over_http(app, args, tmp_path):
     assert "[state] GET /pdd/state -> mode colocated; main_decode 1 live of 1 configured" in out.output
     denied = CliRunner().invoke(main, ["ask", "what is the cluster state?", "--config", str(cfg), "--url", app.base_url, "--api-key", "wrong"])
     assert "pass the API key" in " ".join(denied.output.split())
+
+
+def test_pdd_ask_without_an_llm_quotes_an_injected_label_and_files_nothing(app, args, tmp_path):
+    no_llm = {**args, "agents": {k: v for k, v in args["agents"].items() if k != "llm"}}
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"applications": [{"name": APP, "import_path": "app.builder:build_app", "args": no_llm}]}))
+    waiting = pending(PDDConfig.model_validate(args))
+    before = main_decode_replicas(app)
+    out = CliRunner().invoke(main, ["ask", "Which WAN links fail?", "--config", str(cfg), "--url", app.base_url, "--api-key", KEY])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "- failed KV pulls (kv_failure_rate_by_link): " in text and INJECTED_LINK in text  # quoted as the label it is
+    assert "Answered without an LLM" in text and not [line for line in out.output.splitlines() if line.startswith("proposal:")]
+    assert pending(PDDConfig.model_validate(args)) == waiting and main_decode_replicas(app) == before

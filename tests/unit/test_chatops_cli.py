@@ -9,19 +9,10 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from agents.chatops import agent as chat_agent
-from agents.chatops.endpoint import ChatEndpoint, ChatOpsRequest
+from agents.chatops.endpoint import ChatOpsRequest
 from app.cli import main
-from app.openai_api import APIError
-from tests.conftest import LOCAL_CONFIG
-from tests.integration.agents_fixtures import pdd_args, pdd_config
+from tests.integration.agents_fixtures import pdd_args
 from tests.unit.test_chatops_agent import FakeToolCallingChatModel, call, scripted
-
-
-def test_ask_without_an_llm_says_how_to_configure_one():
-    out = CliRunner().invoke(main, ["ask", "why is TTFT up?", "--config", str(LOCAL_CONFIG)])
-    assert out.exit_code == 2
-    text = " ".join(out.output.split())
-    assert "agents.llm" in text and "base_url" in text and "api_key_env" in text and "pdd status" in text
 
 
 def test_ask_streams_lists_figures_and_remembers_the_thread(tmp_path, monkeypatch):
@@ -46,15 +37,6 @@ def test_ask_streams_lists_figures_and_remembers_the_thread(tmp_path, monkeypatc
     again = runner.invoke(main, ["ask", "how many questions so far?", "--config", str(cfg), "--thread", thread])
     assert again.exit_code == 0 and "This thread has 2 questions." in again.output
     assert (tmp_path / "chat.sqlite").exists()
-
-
-async def test_chat_endpoint_without_an_llm_is_503_naming_the_setting():
-    endpoint = ChatEndpoint(pdd_config(), conductor=None, app_name="pdd")
-    with pytest.raises(APIError) as info:
-        await endpoint.respond(ChatOpsRequest(message="hi"), key="")
-    err = info.value
-    assert err.status == 503 and err.code == "llm_not_configured"
-    assert "agents.llm" in err.body()["error"]["message"] and "pdd status" in err.message
 
 
 @pytest.mark.parametrize("body", [
