@@ -10,7 +10,7 @@ CONFIG ?= serve_configs/local.yaml
 NATIVE := app/_native/manifest.json
 NATIVE_SOURCES := app/native.py app/policy.py app/prefix_index.py $(wildcard app/sim/*.py app/sim/*.pxd)
 
-.PHONY: run test test-unit bench install cluster-up cluster-down prometheus clean
+.PHONY: run test test-unit lint bench install cluster-up cluster-down prometheus clean
 
 install: $(STAMP) $(NATIVE)
 
@@ -31,8 +31,13 @@ $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 run: install prometheus
 	$(BIN)/pdd run $(CONFIG)
 
-test: install prometheus
+test: install prometheus lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+
+# ruff's rules and line length are in pyproject.toml; `ruff format app agents bench tests` fixes the format
+lint: install
+	$(BIN)/ruff check app agents bench tests
+	$(BIN)/ruff format --check app agents bench tests
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q

@@ -72,7 +72,9 @@ class ServeActuator:
         except httpx.HTTPError as err:
             raise ActuationError(f"{method} {self.url}{path}: {err}") from err
         if resp.status_code in (401, 403):
-            raise ActuationError(f"{method} {path}: {resp.status_code} {resp.text.strip()} (token auth: set RAY_AUTH_MODE=token and make the cluster's token readable)")
+            raise ActuationError(
+                f"{method} {path}: {resp.status_code} {resp.text.strip()} (token auth: set RAY_AUTH_MODE=token and make the cluster's token readable)"
+            )
         if resp.status_code != 200:
             raise ActuationError(f"{method} {path}: {resp.status_code} {resp.text.strip()[:500]}")
         return resp
@@ -133,18 +135,16 @@ class ServeActuator:
         def reconfigured(app: dict[str, Any]) -> bool:
             # the new user_config shows up together with status UPDATING; HEALTHY again means every replica ran reconfigure
             conductor = (app.get("deployments") or {}).get(CONDUCTOR, {})
-            return (
-                app.get("status") == "RUNNING"
-                and conductor.get("status") == "HEALTHY"
-                and conductor.get("deployment_config", {}).get("user_config") == want
-            )
+            return app.get("status") == "RUNNING" and conductor.get("status") == "HEALTHY" and conductor.get("deployment_config", {}).get("user_config") == want
 
         self._confirm(reconfigured, "the Conductor's user_config")
 
     def scale(self, role: RoleName, replicas: int) -> None:
         name = deployment(role)
         self._request("POST", f"/api/v1/applications/{self.app_name}/deployments/{name}/scale", json={"target_num_replicas": replicas})
-        self._confirm(lambda app: (app.get("deployments") or {}).get(name, {}).get("target_num_replicas") == replicas, f"{name}'s target of {replicas} replicas")
+        self._confirm(
+            lambda app: (app.get("deployments") or {}).get(name, {}).get("target_num_replicas") == replicas, f"{name}'s target of {replicas} replicas"
+        )
 
     def _confirm(self, done, what: str) -> None:
         deadline = time.monotonic() + self.confirm_timeout_s

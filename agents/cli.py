@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import getpass
 import textwrap
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import groupby
 from pathlib import Path
 
@@ -47,7 +47,9 @@ def _print_tick(state: dict) -> None:
     for d in state.get("decisions", []):
         change = d["proposal"]["change"]
         colour = {"accepted": "green", "held": "yellow", "rejected": "red"}[d["status"]]
-        console.print(f"  [{colour}]{d['status']}[/{colour}] {d['proposal']['specialist']}: {change['target']} {change['old']!r} -> {change['new']!r} {d.get('reason') or ''}")
+        console.print(
+            f"  [{colour}]{d['status']}[/{colour}] {d['proposal']['specialist']}: {change['target']} {change['old']!r} -> {change['new']!r} {d.get('reason') or ''}"
+        )
     for v in state.get("verdicts", []):
         console.print(f"  verify {v['unit']['id']}: {v['outcome']}")
     if state.get("__interrupt__"):
@@ -59,7 +61,11 @@ def run(
     config_path: Path = ConfigOption,
     mode: AgentMode | None = typer.Option(None, "--mode", help="Override agents.mode: observe (record only), advise (wait for approval), act"),
     once: bool = typer.Option(False, "--once", help="Run one tick and exit"),
-    new_cluster: bool = typer.Option(False, "--new-cluster", help="Forget the stored memory (streaks, cooldowns, unverified changes, waiting proposals): it describes another cluster. `pdd run` passes it; the history stays"),
+    new_cluster: bool = typer.Option(
+        False,
+        "--new-cluster",
+        help="Forget the stored memory (streaks, cooldowns, unverified changes, waiting proposals): it describes another cluster. `pdd run` passes it; the history stays",
+    ),
 ) -> None:
     """Run the swarm: one tick every agents.tick_s seconds (Ctrl-C to stop)."""
     from agents.runner import Swarm
@@ -69,7 +75,9 @@ def run(
         if new_cluster:
             swarm.deps.memory.forget()
         swarm.begin_run(app_name, new_cluster=new_cluster)
-        console.print(f"agents: {swarm.agents.mode.value} mode, Prometheus {swarm.agents.prometheus_url}, Serve app '{app_name}' via {swarm.agents.dashboard_url}, router: {swarm.deps.router.name}")
+        console.print(
+            f"agents: {swarm.agents.mode.value} mode, Prometheus {swarm.agents.prometheus_url}, Serve app '{app_name}' via {swarm.agents.dashboard_url}, router: {swarm.deps.router.name}"
+        )
         try:
             swarm.run(once=once, on_tick=_print_tick)
         except KeyboardInterrupt:
@@ -168,7 +176,7 @@ def history(
 
 
 def _run_line(run: dict) -> tuple[str, str, str]:
-    started = datetime.fromtimestamp(run["at"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    started = datetime.fromtimestamp(run["at"], tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"run of {started}", f"app '{run['app']}'", "new cluster: memory forgotten, history kept" if run["new_cluster"] else "memory carried over"
 
 
@@ -186,8 +194,13 @@ def _history_table(runs_and_ticks: list[tuple[dict | None, list[dict]]]) -> Tabl
             name, app, memory = _run_line(run)
             table.add_row(f"[bold]{name}[/bold]", run["mode"], app, "-", memory, style="dim")
         for r in ticks:
-            table.add_row(r["tick"], r["mode"], r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""),
-                          ", ".join(r.get("situations", [])) or "-", "\n".join(_tick_details(r)) or "-")
+            table.add_row(
+                r["tick"],
+                r["mode"],
+                r["status"] + (f": {r['error'][:120]}" if r.get("error") else ""),
+                ", ".join(r.get("situations", [])) or "-",
+                "\n".join(_tick_details(r)) or "-",
+            )
     return table
 
 

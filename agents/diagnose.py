@@ -126,7 +126,9 @@ class _Diagnosis:
         return value < (band[1] if key in self.memory.streaks else band[0])
 
     def add(self, name: str, summary: str, evidence: list[Evidence], subject: str = "", severity: int = 1, figure: float | None = None) -> None:
-        self.found.append(Situation(name=name, subject=subject, summary=summary, severity=severity, figure=figure, evidence=evidence, specialists=list(SPECIALISTS[name])))
+        self.found.append(
+            Situation(name=name, subject=subject, summary=summary, severity=severity, figure=figure, evidence=evidence, specialists=list(SPECIALISTS[name]))
+        )
 
     def q(self, name: str) -> str:
         return self.snap.query(name)
@@ -147,45 +149,81 @@ class _Diagnosis:
         cap = get_knob(self.knobs, "handoff.relay_cap_tokens")
         intent = self.config.handoff.relay_cap_tokens
         if load is not None and load < RLD_RECOVERED and cap < intent:
-            self.add(RLD_OVERLOAD, f"relay decoders {load:.0%} busy again; the relay cap returns towards the configured {intent}", [
-                Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_RECOVERED),
-            ], subject="recovered", severity=0)
+            self.add(
+                RLD_OVERLOAD,
+                f"relay decoders {load:.0%} busy again; the relay cap returns towards the configured {intent}",
+                [
+                    Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_RECOVERED),
+                ],
+                subject="recovered",
+                severity=0,
+            )
             return
         if self.past(RLD_OVERLOAD, load, RLD_LOAD):
             dep = f.deployment(RoleName.relay_decode)
-            self.add(RLD_OVERLOAD, f"relay decoders {load:.0%} busy", [
-                Evidence(query=self.q("ongoing_by_deployment"), value=self.snap.ongoing_by_deployment.get(dep), note=f"{dep} requests in progress"),
-                Evidence(query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"),
-                Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_LOAD[0]),
-                Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
-            ], severity=2, figure=load)
+            self.add(
+                RLD_OVERLOAD,
+                f"relay decoders {load:.0%} busy",
+                [
+                    Evidence(query=self.q("ongoing_by_deployment"), value=self.snap.ongoing_by_deployment.get(dep), note=f"{dep} requests in progress"),
+                    Evidence(
+                        query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"
+                    ),
+                    Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_LOAD[0]),
+                    Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
+                ],
+                severity=2,
+                figure=load,
+            )
 
     def saturation(self) -> None:
         for link in f.wan_links(self.snap, self.config):
             if not self.past(f"{WAN_SATURATED}:{link.link}", link.lease_gone_ratio, LEASES_GONE):
                 continue
             bandwidth = f"{link.bandwidth_mbps:g} Mbit/s"
-            self.add(WAN_SATURATED, f"{link.link}: KV fills {link.utilisation:.0%} of its {bandwidth}; "
-                     f"{link.lease_gone_ratio:.0%} of pulls waited past their lease (the decoder recomputes those prompts)", [
-                Evidence(query=f"{self.q('kv_lease_gone_rate_by_link')} / {self.q('kv_transfer_rate_by_link')}",
-                         value=link.lease_gone_ratio, threshold=LEASES_GONE[0], note="pulls whose lease expired while they waited"),
-                Evidence(query=f"{self.q('kv_transfer_rate_by_link')} x {self.q('kv_bytes_per_transfer_by_link')} x 8 / bandwidth",
-                         value=link.utilisation, note=f"{link.link} utilisation of {bandwidth}"),
-                Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, note="pull time / the link model's: near 1, the link itself is as configured"),
-                Evidence(query=self.q("kv_seconds_p90_by_link"), value=link.p90_s, note="pull seconds p90"),
-            ], subject=link.link, figure=link.lease_gone_ratio)
+            self.add(
+                WAN_SATURATED,
+                f"{link.link}: KV fills {link.utilisation:.0%} of its {bandwidth}; "
+                f"{link.lease_gone_ratio:.0%} of pulls waited past their lease (the decoder recomputes those prompts)",
+                [
+                    Evidence(
+                        query=f"{self.q('kv_lease_gone_rate_by_link')} / {self.q('kv_transfer_rate_by_link')}",
+                        value=link.lease_gone_ratio,
+                        threshold=LEASES_GONE[0],
+                        note="pulls whose lease expired while they waited",
+                    ),
+                    Evidence(
+                        query=f"{self.q('kv_transfer_rate_by_link')} x {self.q('kv_bytes_per_transfer_by_link')} x 8 / bandwidth",
+                        value=link.utilisation,
+                        note=f"{link.link} utilisation of {bandwidth}",
+                    ),
+                    Evidence(
+                        query=self.q("kv_slowdown_mean_by_link"),
+                        value=link.slowdown,
+                        note="pull time / the link model's: near 1, the link itself is as configured",
+                    ),
+                    Evidence(query=self.q("kv_seconds_p90_by_link"), value=link.p90_s, note="pull seconds p90"),
+                ],
+                subject=link.link,
+                figure=link.lease_gone_ratio,
+            )
 
     def hit(self) -> None:
         gap = f.hit_gap(self.snap)
         if any(s.name == WAN_SATURATED for s in self.found):
             return  # MD's warm-up pulls wait on the full link: more MD cache would not raise its hit
         if self.past(MD_HIT_BEHIND, gap, HIT_GAP):
-            self.add(MD_HIT_BEHIND, f"MD prefix hit trails P's by {gap:.0%}", [
-                Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("prefill"), note="prefill"),
-                Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("main_decode"), note="main_decode"),
-                Evidence(query="P hit - MD hit", value=gap, threshold=HIT_GAP[0]),
-                Evidence(query=self.q("singular_rate"), value=self.snap.singular_rate, note="singular requests/s"),
-            ], figure=gap)
+            self.add(
+                MD_HIT_BEHIND,
+                f"MD prefix hit trails P's by {gap:.0%}",
+                [
+                    Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("prefill"), note="prefill"),
+                    Evidence(query=self.q("prefix_hit_by_role"), value=self.snap.prefix_hit_by_role.get("main_decode"), note="main_decode"),
+                    Evidence(query="P hit - MD hit", value=gap, threshold=HIT_GAP[0]),
+                    Evidence(query=self.q("singular_rate"), value=self.snap.singular_rate, note="singular requests/s"),
+                ],
+                figure=gap,
+            )
 
     def wan(self) -> None:
         links = f.wan_links(self.snap, self.config)
@@ -198,17 +236,35 @@ class _Diagnosis:
                 continue
             degraded = True
             if link.shared:
-                model = [Evidence(query=self.q("kv_slowdown_mean_by_link"), value=link.slowdown, threshold=WAN_SLOWDOWN[0],
-                                  note="mean of each pull's seconds / what the configured link needs for it beside the pulls sharing it")]
+                model = [
+                    Evidence(
+                        query=self.q("kv_slowdown_mean_by_link"),
+                        value=link.slowdown,
+                        threshold=WAN_SLOWDOWN[0],
+                        note="mean of each pull's seconds / what the configured link needs for it beside the pulls sharing it",
+                    )
+                ]
             else:
-                model = [Evidence(query="link model: rtt + mean jitter and stall + bytes per pull / bandwidth", value=link.expected_s, note="expected seconds on an idle link"),
-                         Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0])]
-            self.add(WAN_DEGRADATION, f"{link.link}: pulls {link.slowdown:.1f}x slower than the link model, {link.failure_ratio:.0%} failing", [
-                Evidence(query=self.q("kv_seconds_mean_by_link"), value=link.observed_s, note=f"{link.link} mean pull seconds"),
-                *model,
-                Evidence(query="failures / pulls", value=link.failure_ratio, threshold=WAN_FAILURES[0]),
-                Evidence(query=self.q("gap_p99"), value=self.snap.gap_p99, note="worst-gap p99 seconds"),
-            ], subject=link.link, severity=2)
+                model = [
+                    Evidence(
+                        query="link model: rtt + mean jitter and stall + bytes per pull / bandwidth",
+                        value=link.expected_s,
+                        note="expected seconds on an idle link",
+                    ),
+                    Evidence(query="observed / expected", value=link.slowdown, threshold=WAN_SLOWDOWN[0]),
+                ]
+            self.add(
+                WAN_DEGRADATION,
+                f"{link.link}: pulls {link.slowdown:.1f}x slower than the link model, {link.failure_ratio:.0%} failing",
+                [
+                    Evidence(query=self.q("kv_seconds_mean_by_link"), value=link.observed_s, note=f"{link.link} mean pull seconds"),
+                    *model,
+                    Evidence(query="failures / pulls", value=link.failure_ratio, threshold=WAN_FAILURES[0]),
+                    Evidence(query=self.q("gap_p99"), value=self.snap.gap_p99, note="worst-gap p99 seconds"),
+                ],
+                subject=link.link,
+                severity=2,
+            )
         if degraded or not links:
             return
         intent = self.config.routing.max_wan_transfer_ms
@@ -217,20 +273,32 @@ class _Diagnosis:
         healthy = max(link.slowdown for link in links) < RECOVERED_SLOWDOWN
         if healthy and (abs(now_ms - intent) > 1e-9 or cap_raised):
             worst = max(links, key=lambda link: link.slowdown)
-            self.add(WAN_DEGRADATION, f"WAN healthy again ({worst.slowdown:.1f}x model); knobs return to the configured intent", [
-                Evidence(query=self.q("kv_seconds_mean_by_link"), value=worst.observed_s, note=f"{worst.link} mean pull seconds"),
-                Evidence(query="observed / expected", value=worst.slowdown, threshold=RECOVERED_SLOWDOWN),
-            ], subject="recovered", severity=0)
+            self.add(
+                WAN_DEGRADATION,
+                f"WAN healthy again ({worst.slowdown:.1f}x model); knobs return to the configured intent",
+                [
+                    Evidence(query=self.q("kv_seconds_mean_by_link"), value=worst.observed_s, note=f"{worst.link} mean pull seconds"),
+                    Evidence(query="observed / expected", value=worst.slowdown, threshold=RECOVERED_SLOWDOWN),
+                ],
+                subject="recovered",
+                severity=0,
+            )
 
     def valley(self) -> None:
         share = f.valley_share(self.snap)
         gap = self.snap.gap_p99_by_pipeline.get(f.P_MD)
         ratio = gap * 1000 / self.config.slo.max_gap_ms if gap is not None else None
         if self.past(BATHTUB_VALLEY, share, VALLEY_SHARE) and self.past(BATHTUB_VALLEY, ratio, VALLEY_GAP):
-            self.add(BATHTUB_VALLEY, f"{share:.0%} of requests sit in the hit-rate valley {f.VALLEY[0]:.0%}-{f.VALLEY[1]:.0%} and P-MD gaps are long", [
-                Evidence(query=self.q("md_hit_buckets"), value=share, threshold=VALLEY_SHARE[0], note="share of MD hits in the valley"),
-                Evidence(query=self.q("gap_p99_by_pipeline"), value=gap, threshold=self.config.slo.max_gap_ms / 1000, note="P-MD worst-gap p99 seconds"),
-            ], severity=2, figure=share)
+            self.add(
+                BATHTUB_VALLEY,
+                f"{share:.0%} of requests sit in the hit-rate valley {f.VALLEY[0]:.0%}-{f.VALLEY[1]:.0%} and P-MD gaps are long",
+                [
+                    Evidence(query=self.q("md_hit_buckets"), value=share, threshold=VALLEY_SHARE[0], note="share of MD hits in the valley"),
+                    Evidence(query=self.q("gap_p99_by_pipeline"), value=gap, threshold=self.config.slo.max_gap_ms / 1000, note="P-MD worst-gap p99 seconds"),
+                ],
+                severity=2,
+                figure=share,
+            )
 
     def slo(self) -> None:
         slo = self.config.slo
@@ -243,12 +311,22 @@ class _Diagnosis:
             if self.past(name, ratio, SLO_RATIO) and over >= MIN_BREACH_REQUESTS - 1e-9:
                 by = label.replace("_p", "_p_by_pipeline")
                 per = getattr(self.snap, by)
-                self.add(name, f"{label[:4].upper()} p{slo.percentile:g} {value * 1000:.0f} ms over the {target:.0f} ms target", [
-                    Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
-                    *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
-                    Evidence(query=f"{self.q('slo_violation_rate_by_slo')} x {self.snap.window_s:g} s", value=over,
-                             threshold=MIN_BREACH_REQUESTS, note="requests over the target in the window"),
-                ], severity=2, figure=ratio)
+                self.add(
+                    name,
+                    f"{label[:4].upper()} p{slo.percentile:g} {value * 1000:.0f} ms over the {target:.0f} ms target",
+                    [
+                        Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
+                        *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
+                        Evidence(
+                            query=f"{self.q('slo_violation_rate_by_slo')} x {self.snap.window_s:g} s",
+                            value=over,
+                            threshold=MIN_BREACH_REQUESTS,
+                            note="requests over the target in the window",
+                        ),
+                    ],
+                    severity=2,
+                    figure=ratio,
+                )
 
     def leases(self) -> None:
         live, slope = self.snap.leases_live, self.snap.leases_slope
@@ -263,12 +341,18 @@ class _Diagnosis:
         growing = slope is not None and slope > 0
         active = LEASE_LEAK in self.memory.streaks
         if self.past(LEASE_LEAK, excess, LEASE_EXCESS) and (growing or active):
-            self.add(LEASE_LEAK, f"{live:.0f} KV leases live, traffic explains at most {explained:.0f}", [
-                Evidence(query=self.q("leases_live"), value=live, threshold=explained),
-                Evidence(query=self.q("leases_slope"), value=slope, note="leases per second"),
-                Evidence(query=self.q("requests_in_lease_window"), value=self.snap.requests_in_lease_window, note="requests in the last lease timeout"),
-                Evidence(query=self.q("requests_in_flight"), value=self.snap.requests_in_flight, note="requests in flight"),
-            ], severity=1, figure=excess)
+            self.add(
+                LEASE_LEAK,
+                f"{live:.0f} KV leases live, traffic explains at most {explained:.0f}",
+                [
+                    Evidence(query=self.q("leases_live"), value=live, threshold=explained),
+                    Evidence(query=self.q("leases_slope"), value=slope, note="leases per second"),
+                    Evidence(query=self.q("requests_in_lease_window"), value=self.snap.requests_in_lease_window, note="requests in the last lease timeout"),
+                    Evidence(query=self.q("requests_in_flight"), value=self.snap.requests_in_flight, note="requests in flight"),
+                ],
+                severity=1,
+                figure=excess,
+            )
 
     def crash(self) -> None:
         for role in self.config.roles.present():
@@ -280,11 +364,17 @@ class _Diagnosis:
             short = healthy is not None and target is not None and healthy < target
             starting = self.grown_within(role, self.agents.replica_start_s)
             if fails > 0 or (short and (not starting or key in self.memory.streaks)):
-                self.add(REPLICA_CRASH, f"{dep}: {healthy or 0:.0f} of {target or 0:.0f} replicas healthy, {fails:.0f} failed health checks", [
-                    Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, threshold=target, note=dep),
-                    Evidence(query=self.q("replicas_target_by_deployment"), value=target, note=dep),
-                    Evidence(query=self.q("health_check_failures_by_deployment"), value=fails, note=dep),
-                ], subject=dep, severity=2)
+                self.add(
+                    REPLICA_CRASH,
+                    f"{dep}: {healthy or 0:.0f} of {target or 0:.0f} replicas healthy, {fails:.0f} failed health checks",
+                    [
+                        Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, threshold=target, note=dep),
+                        Evidence(query=self.q("replicas_target_by_deployment"), value=target, note=dep),
+                        Evidence(query=self.q("health_check_failures_by_deployment"), value=fails, note=dep),
+                    ],
+                    subject=dep,
+                    severity=2,
+                )
 
     def prefill_relaying(self) -> None:
         """P relays (P-P-MD) for want of a live relay decoder, or the window still holds requests it relayed."""
@@ -295,12 +385,21 @@ class _Diagnosis:
         if not (relays_now or relayed > 0):
             return
         share = relayed / self.snap.request_rate if relayed > 0 else 0.0
-        summary = (f"no relay decoder alive: prefill relays ({f.P_P_MD}), {share:.0%} of the window's requests so far" if relays_now
-                   else f"{share:.0%} of the window's requests went {f.P_P_MD} while no relay decoder was alive")
-        self.add(PREFILL_RELAYING, summary, [
-            Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, note=rld),
-            Evidence(query=self.q("request_rate_by_pipeline"), value=relayed, note=f"{f.P_P_MD} requests/s"),
-        ], severity=0, figure=share)
+        summary = (
+            f"no relay decoder alive: prefill relays ({f.P_P_MD}), {share:.0%} of the window's requests so far"
+            if relays_now
+            else f"{share:.0%} of the window's requests went {f.P_P_MD} while no relay decoder was alive"
+        )
+        self.add(
+            PREFILL_RELAYING,
+            summary,
+            [
+                Evidence(query=self.q("replicas_healthy_by_deployment"), value=healthy, note=rld),
+                Evidence(query=self.q("request_rate_by_pipeline"), value=relayed, note=f"{f.P_P_MD} requests/s"),
+            ],
+            severity=0,
+            figure=share,
+        )
 
     def grown_within(self, role: RoleName, seconds: float) -> bool:
         """Whether the agents added a replica of `role` in the last `seconds`."""
@@ -320,10 +419,15 @@ class _Diagnosis:
             if load is not None and load < IDLE_LOAD and healthy > 1 and not settling:
                 idle.append((role, load))
         if idle:
-            self.add(OVER_PROVISIONED, f"SLO score {score:.2f}; idle roles: {', '.join(f'{r.value} {load:.0%}' for r, load in idle)}", [
-                Evidence(query="max(figure / target) over ttft, tpot, gap", value=score, threshold=OVER_SCORE[0]),
-                *(Evidence(query=self.q("ongoing_by_deployment"), value=load, threshold=IDLE_LOAD, note=f"{r.value} load") for r, load in idle),
-            ], severity=0)
+            self.add(
+                OVER_PROVISIONED,
+                f"SLO score {score:.2f}; idle roles: {', '.join(f'{r.value} {load:.0%}' for r, load in idle)}",
+                [
+                    Evidence(query="max(figure / target) over ttft, tpot, gap", value=score, threshold=OVER_SCORE[0]),
+                    *(Evidence(query=self.q("ongoing_by_deployment"), value=load, threshold=IDLE_LOAD, note=f"{r.value} load") for r, load in idle),
+                ],
+                severity=0,
+            )
 
 
 def diagnose(snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float) -> tuple[list[Situation], dict[str, int]]:

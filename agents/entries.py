@@ -10,7 +10,7 @@ proposal not acted on is made again while its situation lasts (agents/graph.py).
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -23,7 +23,7 @@ FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 
 
 def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class EntrySink(Protocol):
@@ -73,7 +73,7 @@ class FileEntries:
         }
         if proposal.rollback_of:
             front["rollback_of"] = proposal.rollback_of
-        stamp = datetime.fromtimestamp(at, tz=timezone.utc).strftime("%Y%m%dT%H%M%S")
+        stamp = datetime.fromtimestamp(at, tz=UTC).strftime("%Y%m%dT%H%M%S")
         base = f"{stamp}-{_slug(proposal.situation_key)}-{_slug(c.target)}"
         path = self.dir / f"{base}.md"
         n = 1
@@ -105,7 +105,7 @@ class FileEntries:
         front = yaml.safe_load(m.group(1)) or {}
         front["outcome"] = outcome
         front.setdefault("outcomes", []).append({"time": iso(at), "outcome": outcome})
-        p.write_text("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n" + text[m.end():])
+        p.write_text("---\n" + yaml.safe_dump(front, sort_keys=False, allow_unicode=True) + "---\n" + text[m.end() :])
         return True
 
 
@@ -115,4 +115,4 @@ def read_entry(path: str | Path) -> tuple[dict, str]:
     m = FRONT.match(text)
     if m is None:
         raise ValueError(f"{path}: no YAML front matter")
-    return yaml.safe_load(m.group(1)) or {}, text[m.end():]
+    return yaml.safe_load(m.group(1)) or {}, text[m.end() :]

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
@@ -100,7 +100,7 @@ class Deps:
 
 
 def new_tick_id(now: float) -> str:
-    stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.fromtimestamp(now, tz=UTC).strftime("%Y%m%dT%H%M%S")
     return f"tick-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
@@ -131,7 +131,9 @@ def _facts(state: TickState, decisions: list[Decision]) -> str:
             verb = "Changing" if state["mode"] == AgentMode.act.value else "Proposed"
         else:
             verb = d.status.capitalize()
-        lines.append(f"{verb} by {p.specialist}: {p.change.describe()}, because {p.reason}; expected: {p.expected_effect}." + (f" ({d.reason})" if d.reason else ""))
+        lines.append(
+            f"{verb} by {p.specialist}: {p.change.describe()}, because {p.reason}; expected: {p.expected_effect}." + (f" ({d.reason})" if d.reason else "")
+        )
     return " ".join(lines)
 
 
@@ -169,18 +171,19 @@ def build_graph(deps: Deps) -> StateGraph:
             replicas = deps.actuator.current_replicas()
         except (ObserveError, ActuationError) as err:
             return Command(goto="record", update={**base, "error": f"observe failed: {err}"})
-        return Command(goto="diagnose", update={
-            **base,
-            "snapshot": snap.model_dump(mode="json"),
-            "knobs": knobs.model_dump(mode="json"),
-            "replicas": replicas,
-        })
+        return Command(
+            goto="diagnose",
+            update={
+                **base,
+                "snapshot": snap.model_dump(mode="json"),
+                "knobs": knobs.model_dump(mode="json"),
+                "replicas": replicas,
+            },
+        )
 
     def diagnose_node(state: TickState) -> Command:
         memory = Memory.model_validate(state["memory"])
-        found, streaks = diagnose(
-            Snapshot.model_validate(state["snapshot"]), cfg, agents, LiveKnobs.model_validate(state["knobs"]), memory, state["now"]
-        )
+        found, streaks = diagnose(Snapshot.model_validate(state["snapshot"]), cfg, agents, LiveKnobs.model_validate(state["knobs"]), memory, state["now"])
         memory.streaks = streaks
         memory.growth = {k: g for k, g in memory.growth.items() if g.situation in streaks}
         memory.filed = {k: f for k, f in memory.filed.items() if f.situation in streaks}
@@ -204,7 +207,9 @@ def build_graph(deps: Deps) -> StateGraph:
     def guard_node(state: TickState) -> dict:
         v = view(state)
         proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
-        decisions = guard(proposals, config=cfg, agents=agents, knobs=v.knobs, replicas=v.replicas, memory=v.memory, now=state["now"], request_rate=v.snap.request_rate)
+        decisions = guard(
+            proposals, config=cfg, agents=agents, knobs=v.knobs, replicas=v.replicas, memory=v.memory, now=state["now"], request_rate=v.snap.request_rate
+        )
         return {"decisions": [d.model_dump(mode="json") for d in decisions]}
 
     def persist(state: TickState) -> Command:
@@ -295,7 +300,12 @@ def build_graph(deps: Deps) -> StateGraph:
                 return {"applied": [], "error": str(err)}
             fresh = guard(
                 [p.model_copy(update={"streak": agents.confirm_ticks}) for p in changes],
-                config=cfg, agents=agents, knobs=knobs, replicas=replicas, memory=memory, now=now,
+                config=cfg,
+                agents=agents,
+                knobs=knobs,
+                replicas=replicas,
+                memory=memory,
+                now=now,
                 request_rate=Snapshot.model_validate(snapshot).request_rate,
             )
             for d in fresh:
@@ -389,7 +399,11 @@ def build_graph(deps: Deps) -> StateGraph:
                         ],
                         rollback_of=v.unit.id,
                     ),
-                    tick=state["tick"], mode=state["mode"], at=now, outcome="applied (rollback)", explanation="",
+                    tick=state["tick"],
+                    mode=state["mode"],
+                    at=now,
+                    outcome="applied (rollback)",
+                    explanation="",
                 )
         return {"verdicts": [v.model_dump(mode="json") for v in verdicts], "memory": memory.model_dump(mode="json")}
 
@@ -410,18 +424,22 @@ def build_graph(deps: Deps) -> StateGraph:
         if deps.store is None:
             return
         decisions = _decisions(state)
-        record_history(deps.store, state["tick"], {
-            "tick": state["tick"],
-            "at": state["now"],
-            "mode": state["mode"],
-            "status": status,
-            "error": state.get("error"),
-            "situations": [s.key for s in _situations(state)],
-            "decisions": [f"{d.status}: {d.proposal.change.describe()}" + (f" ({d.reason})" if d.reason else "") for d in decisions],
-            "applied": [Change.model_validate(c).describe() for c in state.get("applied", [])],
-            "verdicts": [f"{v['unit']['id']}: {v['outcome']}" for v in state.get("verdicts", [])],
-            "explanation": state.get("explanation", ""),
-        })
+        record_history(
+            deps.store,
+            state["tick"],
+            {
+                "tick": state["tick"],
+                "at": state["now"],
+                "mode": state["mode"],
+                "status": status,
+                "error": state.get("error"),
+                "situations": [s.key for s in _situations(state)],
+                "decisions": [f"{d.status}: {d.proposal.change.describe()}" + (f" ({d.reason})" if d.reason else "") for d in decisions],
+                "applied": [Change.model_validate(c).describe() for c in state.get("applied", [])],
+                "verdicts": [f"{v['unit']['id']}: {v['outcome']}" for v in state.get("verdicts", [])],
+                "explanation": state.get("explanation", ""),
+            },
+        )
 
     g = StateGraph(TickState)
     g.add_node("observe", observe, destinations=("diagnose", "record"))

@@ -39,7 +39,6 @@ from agents.memory import Growth, Memory, growth_key
 from agents.proposal import Decision, Proposal
 from app.config import AgentsConfig, LiveKnobs, PDDConfig
 
-
 EASED = 0.1
 """A situation's figure fell by this share: the replica added for it helped."""
 LOAD_GROWN = 0.2
@@ -70,7 +69,9 @@ def cooling(target: str, memory: Memory, agents: AgentsConfig, now: float) -> fl
     return max(0.0, last + agents.cooldown_s - now)
 
 
-def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float, request_rate: float | None) -> Decision:
+def _judge(
+    p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float, request_rate: float | None
+) -> Decision:
     target = p.change.target
     kind = kind_of(target)
 
@@ -104,8 +105,11 @@ def _judge(p: Proposal, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnob
         return verdict("rejected", f"this move was rolled back; blocked for {block.until - now:.0f} s")
     last = memory.growth.get(growth_key(p.situation_key, target))
     if kind == "replicas" and direction(p.change) > 0 and last is not None and _futile(last, p.figure, request_rate):
-        return verdict("held", f"the replica added for {p.situation_key} {now - last.at:.0f} s ago has not eased it "
-                       f"(figure {last.figure:.2f} then, {p.figure:.2f} now): another waits until it does")
+        return verdict(
+            "held",
+            f"the replica added for {p.situation_key} {now - last.at:.0f} s ago has not eased it "
+            f"(figure {last.figure:.2f} then, {p.figure:.2f} now): another waits until it does",
+        )
     if kind == "choice":
         if p.change.new == p.change.old:
             return verdict("rejected", "no change")
@@ -137,7 +141,9 @@ def _together(decisions: list[Decision]) -> list[Decision]:
     for d in decisions:
         other = blocked.get(d.proposal.group)
         if d.status == "accepted" and other is not None:
-            d = Decision(proposal=d.proposal, status="held", reason=f"moves together with {other.proposal.change.target}, which is {other.status}: {other.reason}")
+            d = Decision(
+                proposal=d.proposal, status="held", reason=f"moves together with {other.proposal.change.target}, which is {other.status}: {other.reason}"
+            )
         out.append(d)
     return out
 
@@ -150,13 +156,19 @@ def _one_situation(decisions: list[Decision]) -> list[Decision]:
     first = acting[0].proposal.situation_key
     later = {id(d) for d in acting if d.proposal.situation_key != first}
     return [
-        Decision(proposal=d.proposal, status="held", reason=f"one situation per change unit: {first} goes first") if id(d) in later else d
-        for d in decisions
+        Decision(proposal=d.proposal, status="held", reason=f"one situation per change unit: {first} goes first") if id(d) in later else d for d in decisions
     ]
 
 
 def guard(
-    proposals: list[Proposal], *, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory, now: float,
+    proposals: list[Proposal],
+    *,
+    config: PDDConfig,
+    agents: AgentsConfig,
+    knobs: LiveKnobs,
+    replicas: dict[str, int],
+    memory: Memory,
+    now: float,
     request_rate: float | None = None,
 ) -> list[Decision]:
     """A decision for every proposal, most severe first. `request_rate` (requests/s now; None: unknown,
@@ -168,7 +180,9 @@ def guard(
     for p in sorted(proposals, key=lambda p: -p.severity):
         target = p.change.target
         if target in taken:
-            decisions.append(Decision(proposal=p, status="rejected", reason=f"{taken[target].specialist} already proposed a change to {target} ({taken[target].situation})"))
+            decisions.append(
+                Decision(proposal=p, status="rejected", reason=f"{taken[target].specialist} already proposed a change to {target} ({taken[target].situation})")
+            )
             continue
         taken[target] = p
         d = _judge(p, config, agents, knobs, replicas, memory, now, request_rate)

@@ -28,13 +28,15 @@ CHOICE_KNOBS: dict[str, tuple[Any, ...]] = {
     "routing.singular.enabled": (True, False),
 }
 #: Numeric knobs that hold whole numbers.
-INTEGER_KNOBS = frozenset({
-    "handoff.catch_up_threshold_tokens",
-    "handoff.relay_cap_tokens",
-    "handoff.min_relay_cap_tokens",
-    "routing.singular.min_prompt_tokens",
-    "routing.singular.max_output_tokens",
-})
+INTEGER_KNOBS = frozenset(
+    {
+        "handoff.catch_up_threshold_tokens",
+        "handoff.relay_cap_tokens",
+        "handoff.min_relay_cap_tokens",
+        "routing.singular.min_prompt_tokens",
+        "routing.singular.max_output_tokens",
+    }
+)
 
 
 class Change(BaseModel):
@@ -46,7 +48,7 @@ class Change(BaseModel):
     old: Any
     new: Any
 
-    def reverse(self) -> "Change":
+    def reverse(self) -> Change:
         return Change(target=self.target, old=self.new, new=self.old)
 
     def describe(self) -> str:

@@ -12,23 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.config import PDDConfig
 from app import metrics as m
+from app.config import PDDConfig
 from app.metrics import MetricSpec, prom_name
 
 # Ray Serve's own metrics, labelled application, deployment (and replica).
 SERVE_REPLICA_HEALTHY = MetricSpec(
     "serve_deployment_replica_healthy", "gauge", "1 per healthy replica (per-replica series) or the healthy count.", ("application", "deployment", "replica")
 )
-SERVE_TARGET_REPLICAS = MetricSpec(
-    "serve_autoscaling_target_replicas", "gauge", "Replica count a deployment is scaled to.", ("application", "deployment")
-)
-SERVE_PROCESSING = MetricSpec(
-    "serve_replica_processing_queries", "gauge", "Requests a replica is processing now.", ("application", "deployment", "replica")
-)
-SERVE_HEALTH_CHECK_FAILURES = MetricSpec(
-    "serve_health_check_failures", "counter", "Failed replica health checks.", ("application", "deployment", "replica")
-)
+SERVE_TARGET_REPLICAS = MetricSpec("serve_autoscaling_target_replicas", "gauge", "Replica count a deployment is scaled to.", ("application", "deployment"))
+SERVE_PROCESSING = MetricSpec("serve_replica_processing_queries", "gauge", "Requests a replica is processing now.", ("application", "deployment", "replica"))
+SERVE_HEALTH_CHECK_FAILURES = MetricSpec("serve_health_check_failures", "counter", "Failed replica health checks.", ("application", "deployment", "replica"))
 SERVE_SPECS = (SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS, SERVE_PROCESSING, SERVE_HEALTH_CHECK_FAILURES)
 
 
@@ -53,10 +47,15 @@ class QuerySet:
         self.matchers = dict(matchers or {})
 
     @classmethod
-    def for_config(cls, config: PDDConfig, app_name: str, window_s: float | None = None) -> "QuerySet":
+    def for_config(cls, config: PDDConfig, app_name: str, window_s: float | None = None) -> QuerySet:
         """The queries for a cluster of `config` serving `app_name` (window: the SLO's, unless given)."""
-        return cls(window_s=config.slo.window_s if window_s is None else window_s, percentile=config.slo.percentile, app_name=app_name,
-                   matchers=config.agents.prometheus_matchers, lease_window_s=config.kv.lease_timeout_s)
+        return cls(
+            window_s=config.slo.window_s if window_s is None else window_s,
+            percentile=config.slo.percentile,
+            app_name=app_name,
+            matchers=config.agents.prometheus_matchers,
+            lease_window_s=config.kv.lease_timeout_s,
+        )
 
     def select(self, spec: MetricSpec, suffix: str = "", **labels: str) -> str:
         """Ours and Serve's series both carry `application`: select this app's."""

@@ -96,7 +96,7 @@ class Swarm:
         router: Router | None = None,
         what_if: WhatIf | None = None,
         clock: Callable[[], float] = time.time,
-    ) -> Iterator["Swarm"]:
+    ) -> Iterator[Swarm]:
         agents = config.agents if mode is None else config.agents.model_copy(update={"mode": mode})
         with open_audit(agents.audit_db) as (saver, store):
             deps = Deps(

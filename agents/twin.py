@@ -95,16 +95,18 @@ class TwinAgent:
         )
 
 
-def run_tick(config: PDDConfig, snapshot: Snapshot, *, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory | None = None, what_if: WhatIf | None = None) -> TwinTick:
+def run_tick(
+    config: PDDConfig, snapshot: Snapshot, *, knobs: LiveKnobs, replicas: dict[str, int], memory: Memory | None = None, what_if: WhatIf | None = None
+) -> TwinTick:
     """One tick as a function: pass the returned `memory` into the next call."""
     return TwinAgent(config, what_if=what_if, memory=memory).tick(snapshot, knobs=knobs, replicas=replicas)
 
 
 def fleet_config(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs) -> PDDConfig:
     """`config` running `replicas` (role name -> count; roles not named keep theirs) with live `knobs`."""
-    roles = config.roles.model_copy(update={
-        role.value: rc.model_copy(update={"replicas": replicas.get(role.value, rc.replicas)}) for role, rc in config.roles.present().items()
-    })
+    roles = config.roles.model_copy(
+        update={role.value: rc.model_copy(update={"replicas": replicas.get(role.value, rc.replicas)}) for role, rc in config.roles.present().items()}
+    )
     data = {name: getattr(config, name) for name in PDDConfig.model_fields}
     return PDDConfig.model_validate({**data, "roles": roles, "routing": knobs.routing, "handoff": knobs.handoff})
 
@@ -280,8 +282,9 @@ class TwinWhatIf:
     question is simulated once. `warm_start` as in `app.sim.simulate`.
     """
 
-    def __init__(self, workload_at: Callable[[float], Iterable[Request]], *, window_s: float, end_s: float | None = None, seed: int = 0,
-                 warm_start: bool = False):
+    def __init__(
+        self, workload_at: Callable[[float], Iterable[Request]], *, window_s: float, end_s: float | None = None, seed: int = 0, warm_start: bool = False
+    ):
         self.workload_at = workload_at
         self.window_s = window_s
         self.end_s = end_s

@@ -118,12 +118,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         group = next((rc.node_group for rc in config.roles.present().values() if config.node_groups[rc.node_group].datacenter == dc), None)
         if group is None:  # no role there: nothing receives KV in this datacenter
             continue
-        links[dc] = (
-            LinkEmulators.options(name=deployment_name(dc), ray_actor_options=light_options(config, group), user_config={"links": [lc.model_dump(mode="json") for lc in config.links]})
-            .bind(dc)
-        )
+        links[dc] = LinkEmulators.options(
+            name=deployment_name(dc), ray_actor_options=light_options(config, group), user_config={"links": [lc.model_dump(mode="json") for lc in config.links]}
+        ).bind(dc)
     return ConductorIngress.options(
         ray_actor_options=light_options(config, home.node_group),
         user_config=config.live_knobs().model_dump(mode="json"),
     ).bind(config_dict, engines, links)
-

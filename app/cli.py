@@ -215,8 +215,10 @@ def run(
         console.print(f"deployed {config.model.served_name} ({config.mode.value}) at {url}/v1; waiting for its engines (Ctrl-C to stop)")
         with console.status("waiting for a live engine of every role and a first completion"):
             await_ready(url, config.model.served_name, _api_headers(config), ready_timeout_s, console.print)
-        console.print(f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
-                      f"-d '{{\"model\": \"{config.model.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        console.print(
+            f"  try: curl {url}/v1/chat/completions -H 'content-type: application/json' "
+            f'-d \'{{"model": "{config.model.served_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
+        )
         console.print(f"  `pdd status` shows the cluster at a glance; {url}/ready which roles have a live engine")
         prometheus = _start_prometheus(config, cluster.recorded_temp_dir(address))
         agents = _start_agents(config_path, config) if prometheus is not None else None
@@ -306,7 +308,9 @@ def _start_agents(config_path: Path, config):
     import sys
 
     log = cluster.state_dir() / "agents.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path), "--new-cluster"], stdout=log.open("a"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path), "--new-cluster"], stdout=log.open("a"), stderr=subprocess.STDOUT
+    )
     console.print(f"  agents: {config.agents.mode.value} mode, every {config.agents.tick_s:g} s (log: {log}; `pdd agents history`)")
     return proc
 

@@ -219,8 +219,9 @@ def kill_node(cluster: LocalCluster, datacenter: str) -> int:
     """Stop one node the hard way, as if its machine died: its Ray daemons and every
     process they started (replicas, vLLM engines) at once."""
     ip = cluster.node(datacenter).ip
-    roots = [pid for pid, cmdline in _processes()
-             if cluster.temp_dir in cmdline and (f"--node_ip_address={ip}" in cmdline or f"--node-ip-address={ip}" in cmdline)]
+    roots = [
+        pid for pid, cmdline in _processes() if cluster.temp_dir in cmdline and (f"--node_ip_address={ip}" in cmdline or f"--node-ip-address={ip}" in cmdline)
+    ]
     return sum(_kill(pid) for pid in _with_descendants(roots))
 
 

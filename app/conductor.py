@@ -62,8 +62,9 @@ def numeric_knobs(knobs: LiveKnobs) -> dict[str, float]:
 
 
 class Conductor:
-    def __init__(self, config: PDDConfig, engines: EngineClient, links: LinkDirectory, tokenizer: Tokenizer, replica_id: str = "",
-                 index_store: IndexStore | None = None):
+    def __init__(
+        self, config: PDDConfig, engines: EngineClient, links: LinkDirectory, tokenizer: Tokenizer, replica_id: str = "", index_store: IndexStore | None = None
+    ):
         self.config = config
         self.replica_id = replica_id
         self.engines = engines
@@ -220,9 +221,16 @@ class Conductor:
                 "configured_replicas": rc.replicas,
                 "max_replicas": rc.max_replicas,
                 "replicas": [
-                    {"replica_id": i.replica_id, "node_ip": i.node_ip, "node_id": i.node_id, "in_flight": self.engines.load(i.replica_id),
-                     "warming": len(self._warms.get(i.replica_id, {})), "kv_blocks": i.num_kv_blocks,
-                     "known_blocks": self.index.held_blocks(i.replica_id), "model_runner": i.model_runner}
+                    {
+                        "replica_id": i.replica_id,
+                        "node_ip": i.node_ip,
+                        "node_id": i.node_id,
+                        "in_flight": self.engines.load(i.replica_id),
+                        "warming": len(self._warms.get(i.replica_id, {})),
+                        "kv_blocks": i.num_kv_blocks,
+                        "known_blocks": self.index.held_blocks(i.replica_id),
+                        "model_runner": i.model_runner,
+                    }
                     for i in replicas
                 ],
             }
@@ -232,10 +240,7 @@ class Conductor:
             "roles": roles,
             "node_groups": {name: g.model_dump(mode="json", include={"datacenter", "accelerator", "cost_per_hour"}) for name, g in cfg.node_groups.items()},
             "knobs": self.knobs.model_dump(mode="json"),
-            "links": {
-                name: {**counters, "backlog_bytes": self.backlog(name)}
-                for name, counters in (await self.links.counters()).items()
-            },
+            "links": {name: {**counters, "backlog_bytes": self.backlog(name)} for name, counters in (await self.links.counters()).items()},
             "in_flight": self.in_flight,
             "prefix_index_saved_at": self.index_keeper.saved_at,
             "slo": {"targets": cfg.slo.model_dump(mode="json"), "recent": slo_summary(self.journal.recent(self.journal.capacity), cfg.slo, cfg.slo.window_s)},

@@ -344,7 +344,7 @@ class HandoffConfig(_Strict):
     """The dynamic cap never drops below this."""
 
     @model_validator(mode="after")
-    def _caps_ordered(self) -> "HandoffConfig":
+    def _caps_ordered(self) -> HandoffConfig:
         if self.min_relay_cap_tokens > self.relay_cap_tokens:
             raise ValueError("min_relay_cap_tokens must not exceed relay_cap_tokens")
         return self
@@ -405,7 +405,7 @@ class KnobBounds(_Strict):
     """Largest change per action."""
 
     @model_validator(mode="after")
-    def _ordered(self) -> "KnobBounds":
+    def _ordered(self) -> KnobBounds:
         if self.min > self.max:
             raise ValueError("min must not exceed max")
         return self
@@ -532,13 +532,11 @@ class PDDConfig(_Strict):
     server: ServerConfig = ServerConfig()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "PDDConfig":
+    def _consistent(self) -> PDDConfig:
         for role, rc in self.roles.present().items():
             if rc.node_group not in self.node_groups:
                 known = ", ".join(sorted(self.node_groups)) or "none"
-                raise ValueError(
-                    f"roles.{role.value}.node_group: unknown node group '{rc.node_group}' (known: {known})"
-                )
+                raise ValueError(f"roles.{role.value}.node_group: unknown node group '{rc.node_group}' (known: {known})")
         for role in MODE_ROLES[self.mode]:
             rc = self.roles.get(role)
             if rc is None or rc.replicas < 1:
@@ -550,9 +548,7 @@ class PDDConfig(_Strict):
         if self.mode in (Mode.pd_cross_dc_naive, Mode.pdd) and self.roles.main_decode is not None:
             p, d = self.datacenter_of(RoleName.prefill), self.datacenter_of(RoleName.main_decode)
             if p == d:
-                raise ValueError(
-                    f"roles.main_decode: mode '{self.mode.value}' needs it in another datacenter than prefill ('{p}')"
-                )
+                raise ValueError(f"roles.main_decode: mode '{self.mode.value}' needs it in another datacenter than prefill ('{p}')")
         declared = {lc.key for lc in self.links}
         if len(declared) != len(self.links):
             raise ValueError("links: two links declared between the same datacenters")
@@ -584,7 +580,7 @@ class PDDConfig(_Strict):
                 return lc
         raise KeyError(f"no link between '{a}' and '{b}'")
 
-    def live_knobs(self) -> "LiveKnobs":
+    def live_knobs(self) -> LiveKnobs:
         return LiveKnobs(routing=self.routing, handoff=self.handoff)
 
     @property

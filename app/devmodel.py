@@ -64,9 +64,7 @@ json yaml python shell query table column value key time date size rate
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("PDD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdd-serve"
-    )
+    root = os.environ.get("PDD_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdd-serve")
     return Path(root)
 
 
@@ -129,9 +127,7 @@ def build_devmodel(target: Path) -> Path:
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "pdd_devmodel.json").write_text(
-        json.dumps({"version": DEVMODEL_VERSION, "seed": SEED, "fingerprint": _fingerprint(tmp)})
-    )
+    (tmp / "pdd_devmodel.json").write_text(json.dumps({"version": DEVMODEL_VERSION, "seed": SEED, "fingerprint": _fingerprint(tmp)}))
     if target.exists():  # another process won the race; keep its copy
         _remove_tree(tmp)
     else:

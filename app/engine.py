@@ -208,7 +208,12 @@ class EngineServer:
         self.model_runner = ", ".join(sorted(labels))
         logger.info(
             "%s engine %s started in %s: model runner %s, %d KV blocks of %d tokens",
-            self.role.value, self.replica_id, self.datacenter, self.model_runner, self.num_kv_blocks, self.block_size,
+            self.role.value,
+            self.replica_id,
+            self.datacenter,
+            self.model_runner,
+            self.num_kv_blocks,
+            self.block_size,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:

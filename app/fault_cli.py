@@ -48,8 +48,9 @@ def _inject(app_name: str, address: str | None, fault: Callable[[Any], str]) -> 
 
 
 @fault_cli.command("kill")
-def kill(target: Target = typer.Argument(..., help="Whose replica (one at random when there are several)"),
-         app_name: str = AppOption, address: str = AddressOption) -> None:
+def kill(
+    target: Target = typer.Argument(..., help="Whose replica (one at random when there are several)"), app_name: str = AppOption, address: str = AddressOption
+) -> None:
     """Kill one replica as a crash would; Serve starts another."""
     from app.config import RoleName
 
@@ -61,9 +62,13 @@ def kill(target: Target = typer.Argument(..., help="Whose replica (one at random
 
 
 @fault_cli.command("restart-conductor")
-def restart_conductor(forget_index: bool = typer.Option(False, help="The next conductor starts from an empty prefix index, not the saved one"),
-                      app_name: str = AppOption, address: str = AddressOption) -> None:
+def restart_conductor(
+    forget_index: bool = typer.Option(False, help="The next conductor starts from an empty prefix index, not the saved one"),
+    app_name: str = AppOption,
+    address: str = AddressOption,
+) -> None:
     """Kill the conductor; the next one starts from the prefix index the last one saved."""
+
     def fault(f) -> str:
         killed = f.restart_conductor(forget_index)
         return f"killed {killed}; Serve starts another, from {'an empty' if forget_index else 'the saved'} prefix index"
@@ -72,9 +77,14 @@ def restart_conductor(forget_index: bool = typer.Option(False, help="The next co
 
 
 @fault_cli.command("cut")
-def cut(direction: str = Direction, seconds: float = typer.Option(None, min=0, help="Restore after this long (default: at `pdd fault restore`)"),
-        app_name: str = AppOption, address: str = AddressOption) -> None:
+def cut(
+    direction: str = Direction,
+    seconds: float = typer.Option(None, min=0, help="Restore after this long (default: at `pdd fault restore`)"),
+    app_name: str = AppOption,
+    address: str = AddressOption,
+) -> None:
     """Sever a link: transfers on it fail, and the conductor routes around it."""
+
     def fault(f) -> str:
         f.cut_link(direction, seconds)
         return f"{direction} cut " + (f"for {seconds:g} s" if seconds is not None else "until `pdd fault restore`")
@@ -85,6 +95,7 @@ def cut(direction: str = Direction, seconds: float = typer.Option(None, min=0, h
 @fault_cli.command("restore")
 def restore(direction: str = Direction, app_name: str = AppOption, address: str = AddressOption) -> None:
     """Undo a cut, stall or slowdown of a link."""
+
     def fault(f) -> str:
         f.restore_link(direction)
         return f"{direction} restored to its configured figures"
@@ -93,9 +104,14 @@ def restore(direction: str = Direction, app_name: str = AppOption, address: str 
 
 
 @fault_cli.command("stall")
-def stall(direction: str = Direction, seconds: float = typer.Argument(..., min=0, help="How long transfers on it pause"),
-          app_name: str = AppOption, address: str = AddressOption) -> None:
+def stall(
+    direction: str = Direction,
+    seconds: float = typer.Argument(..., min=0, help="How long transfers on it pause"),
+    app_name: str = AppOption,
+    address: str = AddressOption,
+) -> None:
     """Pause every transfer on a link (it stays up: the transfer timeout bounds the wait)."""
+
     def fault(f) -> str:
         f.stall_link(direction, seconds)
         return f"{direction} stalled for {seconds:g} s"
@@ -104,10 +120,13 @@ def stall(direction: str = Direction, seconds: float = typer.Argument(..., min=0
 
 
 @fault_cli.command("slow")
-def slow(direction: str = Direction,
-         bandwidth_mbps: float = typer.Option(None, min=0.001, help="Its bandwidth, Mbit/s"),
-         rtt_ms: float = typer.Option(None, min=0, help="Its round-trip time, ms"),
-         app_name: str = AppOption, address: str = AddressOption) -> None:
+def slow(
+    direction: str = Direction,
+    bandwidth_mbps: float = typer.Option(None, min=0.001, help="Its bandwidth, Mbit/s"),
+    rtt_ms: float = typer.Option(None, min=0, help="Its round-trip time, ms"),
+    app_name: str = AppOption,
+    address: str = AddressOption,
+) -> None:
     """Degrade a link until `pdd fault restore`; routing still plans with the configured figures."""
     if bandwidth_mbps is None and rtt_ms is None:
         console.print("[red]slow needs --bandwidth-mbps and/or --rtt-ms[/red]")

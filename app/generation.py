@@ -17,8 +17,16 @@ from app.token_channel import ChannelClosed, EngineDelta, SamplingOptions, Token
 
 def note_failover(journey: Journey, failed: tuple[RoleName, ReplicaInfo], target: tuple[RoleName, ReplicaInfo], at_token: int, error: Exception) -> None:
     """A request moved mid-stream off a failed engine: in its journey and the metrics."""
-    journey.failovers.append({"from_role": failed[0].value, "from_replica": failed[1].replica_id, "to_role": target[0].value,
-                              "to_replica": target[1].replica_id, "at_token": at_token, "error": str(error)})
+    journey.failovers.append(
+        {
+            "from_role": failed[0].value,
+            "from_replica": failed[1].replica_id,
+            "to_role": target[0].value,
+            "to_replica": target[1].replica_id,
+            "at_token": at_token,
+            "error": str(error),
+        }
+    )
     metrics.registry().inc(metrics.FAILOVERS, from_role=failed[0].value, to_role=target[0].value)
 
 

@@ -27,15 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
 from app.conductor import Conductor
-from app.generation import EngineError, GenerationRequest, Output, RequestTimeout
-from app.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient, NoReplicaError
+from app.generation import EngineError, GenerationRequest, Output, RequestTimeout
 from app.index_store import IndexStore
 from app.journal import JOURNAL_CAPACITY
-from app.replica_logging import log_to_stderr
-from app.token_channel import ChannelClosed, SamplingOptions
+from app.link_directory import LinkDirectory
 from app.openai_api import (
     APIError,
     ChatCompletion,
@@ -53,6 +51,8 @@ from app.openai_api import (
     new_request_id,
     now,
 )
+from app.replica_logging import log_to_stderr
+from app.token_channel import ChannelClosed, SamplingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _most_telling(errors: list[dict]) -> dict:
         return {}
     first = errors[0]
     stem = list(itertools.takewhile(lambda p: not _is_union_tag(p), first.get("loc", ())))
-    siblings = [e for e in errors if list(e.get("loc", ()))[:len(stem)] == stem]
+    siblings = [e for e in errors if list(e.get("loc", ()))[: len(stem)] == stem]
     return max(siblings, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
 
 
@@ -266,7 +266,7 @@ class Admission:
     def in_flight(self) -> int:
         return self._total
 
-    def seats(self, key: str, count: int) -> "Seats":
+    def seats(self, key: str, count: int) -> Seats:
         """`count` places for one request's choices, all or none (429)."""
         self.enter(key, count)
         return Seats(self, key, count)
@@ -317,8 +317,14 @@ class ConductorIngress:
         self._token_texts: dict[int, str] = {}
         handles = {RoleName(role): h for role, h in engines.items()}
         context = serve.get_replica_context()
-        self.conductor = Conductor(self.config, EngineClient(handles), LinkDirectory(links), self.tokenizer.backend_tokenizer,
-                                   context.replica_id.unique_id, IndexStore(context.app_name))
+        self.conductor = Conductor(
+            self.config,
+            EngineClient(handles),
+            LinkDirectory(links),
+            self.tokenizer.backend_tokenizer,
+            context.replica_id.unique_id,
+            IndexStore(context.app_name),
+        )
         self.keys = ApiKeys(self.config.server.api_keys)
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()
@@ -347,21 +353,23 @@ class ConductorIngress:
             raise APIError(400, "pdd_mode: per-request modes are disabled (server.allow_mode_override)", param="pdd_mode")
         return requested
 
-    def _generation_requests(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
-                             max_tokens: int | None, prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[GenerationRequest]]:
+    def _generation_requests(
+        self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], max_tokens: int | None, prefix: str, prompt_logprobs: int | None = None
+    ) -> tuple[str, list[GenerationRequest]]:
         """The response's id and one engine request per choice: prompt i's choice j is choice i*n+j,
         with the request's seed + j (as vLLM seeds its parallel samples). max_tokens 0 (a
         prompt echoed, not continued) asks the engines for one token, which is dropped: they
         generate at least one."""
         n = body.n or 1
         server = self.config.server
-        limit, bound = min((server.max_choices_per_request, "server.max_choices_per_request"),
-                           (server.max_concurrent_per_key, "server.max_concurrent_per_key"),
-                           (server.max_queued_requests, "server.max_queued_requests"))
+        limit, bound = min(
+            (server.max_choices_per_request, "server.max_choices_per_request"),
+            (server.max_concurrent_per_key, "server.max_concurrent_per_key"),
+            (server.max_queued_requests, "server.max_queued_requests"),
+        )
         if n * len(prompts) > limit:
             param = "n" if n > 1 else "prompt"
-            raise APIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for {n * len(prompts)} choices; "
-                           f"at most {limit} ({bound})", param=param)
+            raise APIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for {n * len(prompts)} choices; at most {limit} ({bound})", param=param)
         request_id = new_request_id(prefix)
         many = n * len(prompts) > 1
         stop, mode, logit_bias, logprobs = body.stop_list(), self._mode(body.pdd_mode), self._logit_bias(body), body.requested_logprobs()
@@ -380,13 +388,15 @@ class ConductorIngress:
                 prompt_logprobs=prompt_logprobs,
             )
             for j in range(n):
-                gens.append(GenerationRequest(
-                    request_id=f"{request_id}-{i * n + j}" if many else request_id,
-                    prompt_token_ids=ids,
-                    sampling=sampling if body.seed is None else msgspec.structs.replace(sampling, seed=body.seed + j),
-                    stop=stop,
-                    mode=mode,
-                ))
+                gens.append(
+                    GenerationRequest(
+                        request_id=f"{request_id}-{i * n + j}" if many else request_id,
+                        prompt_token_ids=ids,
+                        sampling=sampling if body.seed is None else msgspec.structs.replace(sampling, seed=body.seed + j),
+                        stop=stop,
+                        mode=mode,
+                    )
+                )
         return request_id, gens
 
     def _token_text(self, token_id: int) -> str:
@@ -394,7 +404,7 @@ class ConductorIngress:
         tokenizer drops a word's leading space."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text):]
+            text = self._token_texts[token_id] = self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text) :]
         return text
 
     def _logit_bias(self, body: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
@@ -405,15 +415,15 @@ class ConductorIngress:
             raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
         return bias or None
 
-    def _max_new_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None,
-                        which: str | None) -> int:
+    def _max_new_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None, which: str | None) -> int:
         """max_tokens for one prompt, or the 400 that says why it does not fit (`which` names a batch's prompt)."""
         limit = self.config.max_prompt_tokens
         field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         prompt = f"{which} has" if which else "the prompt has"
         if len(prompt_ids) > limit:
-            raise APIError(400, f"This model's maximum prompt length is {limit} tokens; {prompt} {len(prompt_ids)}",
-                           param=which or field, code="context_length_exceeded")
+            raise APIError(
+                400, f"This model's maximum prompt length is {limit} tokens; {prompt} {len(prompt_ids)}", param=which or field, code="context_length_exceeded"
+            )
         room = self.config.model.max_model_len - len(prompt_ids)
         server = self.config.server
         if max_tokens is None:
@@ -460,8 +470,15 @@ class ConductorIngress:
         prompt_tokens = sum(len(g.prompt_token_ids) for g in gens[:: body.n or 1])
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
-    async def _respond(self, key: str, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-                       gens: list[GenerationRequest], render: ChatRenderer | CompletionRenderer, echoes: list[Echo] | None = None):
+    async def _respond(
+        self,
+        key: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        gens: list[GenerationRequest],
+        render: ChatRenderer | CompletionRenderer,
+        echoes: list[Echo] | None = None,
+    ):
         """`echoes`: per choice, the prompt a completion repeats before its text."""
         seats = self.admission.seats(key, len(gens))
         want_ids = bool(body.return_token_ids)
@@ -496,8 +513,17 @@ class ConductorIngress:
             last = out
         return Choice("".join(parts), last.finish_reason, ids, logprobs, echo, prompt_logprobs), last.completion_tokens
 
-    async def _stream(self, body: ChatCompletionRequest | CompletionRequest, request_id: str, gens: list[GenerationRequest],
-                      echoes: list[Echo | None], seats: Seats, render, want_usage: bool, want_ids: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        gens: list[GenerationRequest],
+        echoes: list[Echo | None],
+        seats: Seats,
+        render,
+        want_usage: bool,
+        want_ids: bool,
+    ) -> AsyncIterator[bytes]:
         """Every choice's chunks as they come, each with its index; usage once all have finished."""
         completion_tokens = 0
         echoing = {index for index, echo in enumerate(echoes) if echo is not None}
@@ -569,7 +595,12 @@ class ConductorIngress:
         self.keys.check(request)
         j = self.conductor.journal.get(request_id)
         if j is None:
-            raise APIError(404, f"No request '{request_id}' in the journal (it keeps the last {self.conductor.journal.capacity})", type="not_found_error", param="request_id")
+            raise APIError(
+                404,
+                f"No request '{request_id}' in the journal (it keeps the last {self.conductor.journal.capacity})",
+                type="not_found_error",
+                param="request_id",
+            )
         return j.to_dict()
 
     @api.get("/pdd/state", responses=ERROR_RESPONSES)

@@ -89,8 +89,11 @@ class Journey:
         token changes nothing."""
         if delta.engine_ttft_ms is None or (role in self.engine_ttft_ms and not replace):
             return
-        for times, value in ((self.engine_ttft_ms, delta.engine_ttft_ms), (self.engine_core_ttft_ms, delta.engine_core_ttft_ms),
-                             (self.engine_queued_ms, delta.engine_queued_ms)):
+        for times, value in (
+            (self.engine_ttft_ms, delta.engine_ttft_ms),
+            (self.engine_core_ttft_ms, delta.engine_core_ttft_ms),
+            (self.engine_queued_ms, delta.engine_queued_ms),
+        ):
             if value is None:
                 times.pop(role, None)
             else:

@@ -72,14 +72,16 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
         selector = {ZONE_LABEL: group.datacenter}
         if group.accelerator in GPU_PRODUCT:
             selector["nvidia.com/gpu.product"] = GPU_PRODUCT[group.accelerator]
-        workers.append({
-            "groupName": group_name,
-            "replicas": max(1, math.ceil(gpus_needed / per_pod)),
-            "minReplicas": max(1, math.ceil(gpus_needed / per_pod)),
-            "maxReplicas": max(1, math.ceil(max_gpus / per_pod)),
-            "rayStartParams": start_params,
-            "template": _pod_template(_container("ray-worker", image, per_pod, 32, "1000Gi"), selector),
-        })
+        workers.append(
+            {
+                "groupName": group_name,
+                "replicas": max(1, math.ceil(gpus_needed / per_pod)),
+                "minReplicas": max(1, math.ceil(gpus_needed / per_pod)),
+                "maxReplicas": max(1, math.ceil(max_gpus / per_pod)),
+                "rayStartParams": start_params,
+                "template": _pod_template(_container("ray-worker", image, per_pod, 32, "1000Gi"), selector),
+            }
+        )
     head_params = {"dashboard-host": "0.0.0.0", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
     head = _container("ray-head", image, 0, 8, "32Gi")
     # the serve service sends traffic to the head's proxy (proxy_location HeadOnly) only while the
@@ -121,13 +123,15 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
             "template": {
                 "metadata": {"labels": {"app": f"{name}-agents"}},
                 "spec": {
-                    "containers": [{
-                        "name": "agents",
-                        "image": image,
-                        "command": ["pdd", "agents", "run", "--config", "/etc/pdd/serve.yaml"],
-                        "env": [{"name": "RAY_AUTH_MODE", "value": "token"}],
-                        "volumeMounts": [{"name": "config", "mountPath": "/etc/pdd"}],
-                    }],
+                    "containers": [
+                        {
+                            "name": "agents",
+                            "image": image,
+                            "command": ["pdd", "agents", "run", "--config", "/etc/pdd/serve.yaml"],
+                            "env": [{"name": "RAY_AUTH_MODE", "value": "token"}],
+                            "volumeMounts": [{"name": "config", "mountPath": "/etc/pdd"}],
+                        }
+                    ],
                     "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
                 },
             },

@@ -59,13 +59,16 @@ KV_BYTES = _spec("pdd_kv_transfer_bytes", "counter", "KV bytes pulled over each 
 KV_SECONDS = _spec("pdd_kv_transfer_seconds", "histogram", "Duration of each KV pull, by link.", ("link",), LATENCY_BUCKETS)
 KV_BLOCKS = _spec("pdd_kv_transfer_blocks", "counter", "KV blocks pulled over each link.", ("link",))
 KV_SLOWDOWN = _spec(
-    "pdd_kv_transfer_slowdown", "histogram",
+    "pdd_kv_transfer_slowdown",
+    "histogram",
     "Each WAN pull's time over what the configured link needs for it beside the pulls sharing it, by link "
     "(1: the link as configured; a busy link stays near 1, a slow one rises).",
-    ("link",), SLOWDOWN_BUCKETS,
+    ("link",),
+    SLOWDOWN_BUCKETS,
 )
 KV_FAILURES = _spec(
-    "pdd_kv_transfer_failures", "counter",
+    "pdd_kv_transfer_failures",
+    "counter",
     "KV pulls that failed or timed out (the decoder recomputed), by link and reason (the error's type; "
     "LeaseGone: the lease expired while the pull waited, which a full link causes and a broken one does not).",
     ("link", "reason"),
@@ -84,8 +87,27 @@ IN_FLIGHT = _spec("pdd_requests_in_flight", "gauge", "Requests the conductor is 
 KNOB = _spec("pdd_knob_value", "gauge", "Current value of each numeric live knob (routing.*, handoff.*).", ("knob",))
 
 ALL: tuple[MetricSpec, ...] = (
-    REQUESTS, TTFT, TPOT, MAX_GAP, HANDOFF, HANDOFF_TOKENS, KV_BYTES, KV_SECONDS, KV_BLOCKS, KV_SLOWDOWN, KV_FAILURES,
-    PREFIX_HIT, PROMPT_TOKENS, CACHED_TOKENS, RELAY_TOKENS, SINGULAR, SLO_VIOLATIONS, FAILOVERS, LEASES_LIVE, IN_FLIGHT, KNOB,
+    REQUESTS,
+    TTFT,
+    TPOT,
+    MAX_GAP,
+    HANDOFF,
+    HANDOFF_TOKENS,
+    KV_BYTES,
+    KV_SECONDS,
+    KV_BLOCKS,
+    KV_SLOWDOWN,
+    KV_FAILURES,
+    PREFIX_HIT,
+    PROMPT_TOKENS,
+    CACHED_TOKENS,
+    RELAY_TOKENS,
+    SINGULAR,
+    SLO_VIOLATIONS,
+    FAILOVERS,
+    LEASES_LIVE,
+    IN_FLIGHT,
+    KNOB,
 )
 
 

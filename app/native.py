@@ -141,8 +141,11 @@ def install() -> CompiledFinder | None:
 
 def compiled_modules() -> list[str]:
     """The modules this process has loaded compiled."""
-    return sorted(name for name, mod in sys.modules.items() if name in MODULES and str(getattr(mod, "__file__", "")).endswith(
-        tuple(importlib.machinery.EXTENSION_SUFFIXES)))
+    return sorted(
+        name
+        for name, mod in sys.modules.items()
+        if name in MODULES and str(getattr(mod, "__file__", "")).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    )
 
 
 def build(out: Path = BUILD_DIR) -> dict:
@@ -159,8 +162,7 @@ def build(out: Path = BUILD_DIR) -> dict:
         cwd = os.getcwd()
         os.chdir(root)  # module names follow the paths cythonize is given
         try:
-            compiled = cythonize(extensions, compiler_directives=COMPILER_DIRECTIVES, build_dir=tmp, quiet=True,
-                                 nthreads=os.cpu_count() or 1)
+            compiled = cythonize(extensions, compiler_directives=COMPILER_DIRECTIVES, build_dir=tmp, quiet=True, nthreads=os.cpu_count() or 1)
             cmd = Distribution({"ext_modules": compiled}).get_command_obj("build_ext")
             cmd.build_lib, cmd.build_temp, cmd.parallel = str(out), str(Path(tmp) / "obj"), os.cpu_count() or 1
             cmd.ensure_finalized()

@@ -32,11 +32,30 @@ def rules(config: PDDConfig, app_name: str = APP_NAME) -> dict[str, Any]:
     alerts = [
         _alert("PDDTTFTSLOBreach", f"pdd:ttft_p > {slo.ttft_ms / 1000:g}", hold, "warning", f"TTFT {pct} above {slo.ttft_ms:g} ms", "ttft_slo_breach"),
         _alert("PDDTPOTSLOBreach", f"pdd:tpot_p > {slo.tpot_ms / 1000:g}", hold, "warning", f"TPOT {pct} above {slo.tpot_ms:g} ms", "tpot_slo_breach"),
-        _alert("PDDGapSLOBreach", f"pdd:gap_p > {slo.max_gap_ms / 1000:g}", hold, "warning", f"worst inter-token gap {pct} above {slo.max_gap_ms:g} ms", "wan_degradation"),
-        _alert("PDDKVTransferFailures", "sum(pdd:kv_failure_rate_by_link) - (sum(pdd:kv_lease_gone_rate_by_link) or vector(0)) > 0", hold, "warning",
-               "KV pulls failing on the link (decoders recompute)", "wan_degradation"),
-        _alert("PDDKVLeasesExpiredInQueue", "sum(pdd:kv_lease_gone_rate_by_link) > 0", hold, "warning",
-               "KV pulls waited past their lease (a full link; decoders recompute)", "wan_saturated"),
+        _alert(
+            "PDDGapSLOBreach",
+            f"pdd:gap_p > {slo.max_gap_ms / 1000:g}",
+            hold,
+            "warning",
+            f"worst inter-token gap {pct} above {slo.max_gap_ms:g} ms",
+            "wan_degradation",
+        ),
+        _alert(
+            "PDDKVTransferFailures",
+            "sum(pdd:kv_failure_rate_by_link) - (sum(pdd:kv_lease_gone_rate_by_link) or vector(0)) > 0",
+            hold,
+            "warning",
+            "KV pulls failing on the link (decoders recompute)",
+            "wan_degradation",
+        ),
+        _alert(
+            "PDDKVLeasesExpiredInQueue",
+            "sum(pdd:kv_lease_gone_rate_by_link) > 0",
+            hold,
+            "warning",
+            "KV pulls waited past their lease (a full link; decoders recompute)",
+            "wan_saturated",
+        ),
         _alert(
             "PDDKVLeaseLeak",
             "pdd:leases_live > 0 and on() (sum(pdd:request_rate_by_pipeline) or vector(0)) == 0",
@@ -87,33 +106,48 @@ def write_rules(config: PDDConfig, path: Path, app_name: str = APP_NAME) -> Path
 
 #: Dashboard rows: (title, [(panel title, query name, unit)]).
 DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, str]]]] = [
-    ("Pipelines", [
-        ("Requests/s by pipeline", "request_rate_by_pipeline", "reqps"),
-        ("TTFT (SLO percentile) by pipeline", "ttft_p_by_pipeline", "s"),
-        ("TTFT p99 by pipeline", "ttft_p99_by_pipeline", "s"),
-        ("TPOT by pipeline", "tpot_p_by_pipeline", "s"),
-    ]),
-    ("Handoffs and relay", [
-        ("Worst inter-token gap p99 by pipeline", "gap_p99_by_pipeline", "s"),
-        ("RLD tokens per relayed request p90", "relay_tokens_p90", "none"),
-        ("Singular requests/s", "singular_rate", "reqps"),
-    ]),
-    ("WAN and KV", [
-        ("KV transfer seconds p90 by link", "kv_seconds_p90_by_link", "s"),
-        ("WAN slowdown vs the configured link, shared (1: healthy)", "kv_slowdown_mean_by_link", "none"),
-        ("KV bytes per transfer by link", "kv_bytes_per_transfer_by_link", "bytes"),
-        ("KV pulls/s by link", "kv_transfer_rate_by_link", "ops"),
-        ("KV pull failures/s by link", "kv_failure_rate_by_link", "ops"),
-        ("KV leases held by prefill", "leases_live", "none"),
-    ]),
-    ("Caches", [
-        ("Prefix hit by role (MD vs P)", "prefix_hit_by_role", "percentunit"),
-    ]),
-    ("SLOs and replicas", [
-        ("SLO violations/s by objective", "slo_violation_rate_by_slo", "reqps"),
-        ("Healthy replicas by deployment", "replicas_healthy_by_deployment", "none"),
-        ("Requests being processed by deployment", "ongoing_by_deployment", "none"),
-    ]),
+    (
+        "Pipelines",
+        [
+            ("Requests/s by pipeline", "request_rate_by_pipeline", "reqps"),
+            ("TTFT (SLO percentile) by pipeline", "ttft_p_by_pipeline", "s"),
+            ("TTFT p99 by pipeline", "ttft_p99_by_pipeline", "s"),
+            ("TPOT by pipeline", "tpot_p_by_pipeline", "s"),
+        ],
+    ),
+    (
+        "Handoffs and relay",
+        [
+            ("Worst inter-token gap p99 by pipeline", "gap_p99_by_pipeline", "s"),
+            ("RLD tokens per relayed request p90", "relay_tokens_p90", "none"),
+            ("Singular requests/s", "singular_rate", "reqps"),
+        ],
+    ),
+    (
+        "WAN and KV",
+        [
+            ("KV transfer seconds p90 by link", "kv_seconds_p90_by_link", "s"),
+            ("WAN slowdown vs the configured link, shared (1: healthy)", "kv_slowdown_mean_by_link", "none"),
+            ("KV bytes per transfer by link", "kv_bytes_per_transfer_by_link", "bytes"),
+            ("KV pulls/s by link", "kv_transfer_rate_by_link", "ops"),
+            ("KV pull failures/s by link", "kv_failure_rate_by_link", "ops"),
+            ("KV leases held by prefill", "leases_live", "none"),
+        ],
+    ),
+    (
+        "Caches",
+        [
+            ("Prefix hit by role (MD vs P)", "prefix_hit_by_role", "percentunit"),
+        ],
+    ),
+    (
+        "SLOs and replicas",
+        [
+            ("SLO violations/s by objective", "slo_violation_rate_by_slo", "reqps"),
+            ("Healthy replicas by deployment", "replicas_healthy_by_deployment", "none"),
+            ("Requests being processed by deployment", "ongoing_by_deployment", "none"),
+        ],
+    ),
 ]
 
 
@@ -135,16 +169,18 @@ def dashboard(config: PDDConfig, app_name: str = APP_NAME) -> dict[str, Any]:
         for i, (title, name, unit) in enumerate(row):
             q = by_name[name]
             legend = f"{{{{{q.by}}}}}" if q.by else title
-            panels.append({
-                "type": "timeseries",
-                "title": title,
-                "id": pid,
-                "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"},
-                "gridPos": {"x": (i % 3) * 8, "y": y + (i // 3) * 8, "w": 8, "h": 8},
-                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                # `or vector(0)`: 0 rather than "no data" for events that have not happened yet
-                "targets": [{"refId": "A", "expr": f"({q.promql}) or vector(0)", "legendFormat": legend}],
-            })
+            panels.append(
+                {
+                    "type": "timeseries",
+                    "title": title,
+                    "id": pid,
+                    "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"},
+                    "gridPos": {"x": (i % 3) * 8, "y": y + (i // 3) * 8, "w": 8, "h": 8},
+                    "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                    # `or vector(0)`: 0 rather than "no data" for events that have not happened yet
+                    "targets": [{"refId": "A", "expr": f"({q.promql}) or vector(0)", "legendFormat": legend}],
+                }
+            )
             pid += 1
         y += 8 * ((len(row) + 2) // 3)
     return {

@@ -67,12 +67,10 @@ def _unsupported(why: str, *neutral: Any) -> Any:
         # by type too: 0 == False and 1 == True would let a different request through
         if not any(type(given) is type(v) and given == v for v in accepted):
             shown = " or ".join("null" if v is None else json.dumps(v) for v in accepted)
-            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}",
-                                      {"why": why, "shown": shown})
+            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}", {"why": why, "shown": shown})
         return given
 
-    return Annotated[Any, AfterValidator(check),
-                     Field(description=f"Not supported ({why})", json_schema_extra={"enum": list(accepted)})]
+    return Annotated[Any, AfterValidator(check), Field(description=f"Not supported ({why})", json_schema_extra={"enum": list(accepted)})]
 
 
 _TEXT_ONLY = "this server returns plain text"
@@ -83,8 +81,11 @@ _PENALTY = Annotated[float, Field(ge=-2, le=2, description="Counts every output 
 LogitBias = Annotated[
     # keys as JSON has them (strings), so the published schema says which are valid
     dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
-    Field(max_length=300, json_schema_extra={"additionalProperties": False},
-          description="Token id -> a bias (-100..100) added to its logit on every engine the request crosses; up to 300 tokens, as OpenAI"),
+    Field(
+        max_length=300,
+        json_schema_extra={"additionalProperties": False},
+        description="Token id -> a bias (-100..100) added to its logit on every engine the request crosses; up to 300 tokens, as OpenAI",
+    ),
 ]
 
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
@@ -132,8 +133,7 @@ class ChatMessage(BaseModel):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind is not None and kind != "text":
-                    raise PydanticCustomError("unsupported_value", "only text parts are supported (a text-only model), got a {kind} part",
-                                              {"kind": repr(kind)})
+                    raise PydanticCustomError("unsupported_value", "only text parts are supported (a text-only model), got a {kind} part", {"kind": repr(kind)})
         return content
 
     def text(self) -> str:
@@ -164,11 +164,9 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: _unsupported("not a reasoning model") = None
     verbosity: _unsupported("not a reasoning model") = None
     store: _unsupported("completions are not stored", False) = None
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
-        default=None, description="Accepted for clients that tag requests; not stored")
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(default=None, description="Accepted for clients that tag requests; not stored")
     service_tier: _unsupported("one service tier", "auto", "default") = None
-    prompt_cache_key: str | None = Field(
-        default=None, description="Accepted; routing finds cached prefixes from the prompt itself")
+    prompt_cache_key: str | None = Field(default=None, description="Accepted; routing finds cached prefixes from the prompt itself")
     prompt_cache_retention: _unsupported("cached prefixes live while engines keep them", "in_memory") = None
     prompt_cache_options: _unsupported("cached prefixes live while engines keep them") = None
     safety_identifier: str | None = None
@@ -191,13 +189,17 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="One prompt (text or token ids) or a batch of them; choice i*n+j is prompt i's choice j")
     max_tokens: Annotated[int, Field(ge=0)] | None = Field(
-        default=16, description="Tokens to generate; 0 only with echo: the prompt is repeated (and scored, with logprobs), nothing generated")
+        default=16, description="Tokens to generate; 0 only with echo: the prompt is repeated (and scored, with logprobs), nothing generated"
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
-        default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases) "
-                                  "and this many most likely tokens at its place")
+        default=None,
+        description="Each output token's log probability (the model's, before sampling's penalties and biases) and this many most likely tokens at its place",
+    )
     echo: bool | None = Field(
-        default=None, description="Repeat the prompt before the completion; with logprobs, its tokens' log probabilities too "
-                                  "(the first token's are null: nothing comes before it)")
+        default=None,
+        description="Repeat the prompt before the completion; with logprobs, its tokens' log probabilities too "
+        "(the first token's are null: nothing comes before it)",
+    )
     best_of: _unsupported("choices are not ranked", 1) = None
     suffix: _unsupported("no insertion", "") = None
 
@@ -364,19 +366,37 @@ class ChatRenderer:
     def opening(self, index: int) -> str:
         return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
 
-    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-              want_ids: bool) -> str:
-        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None), finish_reason=finish,
-                                           logprobs=self._logprobs(token_ids, logprobs), token_ids=token_ids if want_ids else None))
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None, want_ids: bool) -> str:
+        return self._chunk(
+            ChatChunkChoice(
+                index=index,
+                delta=DeltaMessage(content=text or None),
+                finish_reason=finish,
+                logprobs=self._logprobs(token_ids, logprobs),
+                token_ids=token_ids if want_ids else None,
+            )
+        )
 
     def usage(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump_json()
 
     def whole(self, choices: list[Choice], usage: Usage, want_ids: bool) -> ChatCompletion:
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                       logprobs=self._logprobs(c.token_ids, c.logprobs), token_ids=c.token_ids if want_ids else None)
-            for i, c in enumerate(choices)])
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=usage,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(c.token_ids, c.logprobs),
+                    token_ids=c.token_ids if want_ids else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+        )
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
@@ -385,9 +405,12 @@ class ChatRenderer:
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if logprobs is None:
             return None
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(**self._entry(tid, lp.logprob), top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in lp.top])
-            for tid, lp in zip(token_ids, logprobs)])
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(**self._entry(tid, lp.logprob), top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in lp.top])
+                for tid, lp in zip(token_ids, logprobs)
+            ]
+        )
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump_json()
@@ -408,24 +431,35 @@ class CompletionRenderer:
     def echo(self, index: int, echo: Echo, prompt_logprobs: list[TokenLogprob] | None) -> str:
         """A stream's first chunk of an echoing choice: the prompt (and its log probabilities)."""
         self._offsets[index] = len(echo.text)
-        return self._body([CompletionChoice(index=index, text=echo.text, finish_reason=None,
-                                            logprobs=self._prompt_logprobs(echo, prompt_logprobs))]).model_dump_json()
+        return self._body(
+            [CompletionChoice(index=index, text=echo.text, finish_reason=None, logprobs=self._prompt_logprobs(echo, prompt_logprobs))]
+        ).model_dump_json()
 
-    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-              want_ids: bool) -> str:
+    def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None, want_ids: bool) -> str:
         rendered = self._logprobs(token_ids, logprobs, self._offsets.get(index, 0))
         if rendered is not None and rendered.tokens:
             self._offsets[index] = rendered.text_offset[-1] + len(rendered.tokens[-1])
-        return self._body([CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered,
-                                            token_ids=token_ids if want_ids else None)]).model_dump_json()
+        return self._body(
+            [CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered, token_ids=token_ids if want_ids else None)]
+        ).model_dump_json()
 
     def usage(self, usage: Usage) -> str:
         return self._body([], usage).model_dump_json()
 
     def whole(self, choices: list[Choice], usage: Usage, want_ids: bool) -> Completion:
-        return self._body([CompletionChoice(index=i, text=(c.echo.text if c.echo else "") + c.text, finish_reason=c.finish_reason,
-                                            logprobs=self._whole_logprobs(c), token_ids=c.token_ids if want_ids else None)
-                           for i, c in enumerate(choices)], usage)
+        return self._body(
+            [
+                CompletionChoice(
+                    index=i,
+                    text=(c.echo.text if c.echo else "") + c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=self._whole_logprobs(c),
+                    token_ids=c.token_ids if want_ids else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage,
+        )
 
     def _whole_logprobs(self, choice: Choice) -> CompletionLogprobs | None:
         output = self._logprobs(choice.token_ids, choice.logprobs, len(choice.echo.text) if choice.echo else 0)
@@ -439,8 +473,12 @@ class CompletionRenderer:
         if logprobs is None:
             return None
         rest = self._logprobs(echo.token_ids[1:], logprobs, len(self.token_text(echo.token_ids[0])))
-        return CompletionLogprobs(tokens=[self.token_text(echo.token_ids[0]), *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
-                                  top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
+        return CompletionLogprobs(
+            tokens=[self.token_text(echo.token_ids[0]), *rest.tokens],
+            token_logprobs=[None, *rest.token_logprobs],
+            top_logprobs=[None, *rest.top_logprobs],
+            text_offset=[0, *rest.text_offset],
+        )
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
         if logprobs is None:

@@ -156,12 +156,7 @@ def expected_transfer_ms(blocks: int, bytes_per_block: int, link: LinkFacts, bac
 
 def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> bool:
     s = routing.singular
-    return (
-        s.enabled
-        and req.prompt_tokens >= s.min_prompt_tokens
-        and hit_rate <= s.max_hit_rate
-        and req.max_tokens <= s.max_output_tokens
-    )
+    return s.enabled and req.prompt_tokens >= s.min_prompt_tokens and hit_rate <= s.max_hit_rate and req.max_tokens <= s.max_output_tokens
 
 
 def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingConfig) -> RouteDecision:
@@ -213,11 +208,7 @@ def resolve_handoff_mode(handoff: HandoffConfig, rld_load: float) -> HandoffMode
 
 def next_handoff_step(pending_tokens: int, rounds_done: int, mode: HandoffMode, handoff: HandoffConfig) -> HandoffStep:
     """What to do with `pending_tokens` eager tokens MD has not yet computed."""
-    if (
-        mode is HandoffMode.catch_up
-        and pending_tokens > handoff.catch_up_threshold_tokens
-        and rounds_done < MAX_CATCH_UP_ROUNDS
-    ):
+    if mode is HandoffMode.catch_up and pending_tokens > handoff.catch_up_threshold_tokens and rounds_done < MAX_CATCH_UP_ROUNDS:
         return HandoffStep.catch_up
     return HandoffStep.final
 

@@ -68,7 +68,7 @@ class PrometheusServer:
             "scrape_configs": scrape,
         }
 
-    def start(self, timeout_s: float = 60, *, fresh: bool = False) -> "PrometheusServer":
+    def start(self, timeout_s: float = 60, *, fresh: bool = False) -> PrometheusServer:
         """`fresh`: begin with empty storage. A new cluster exports the same series names
         (same app, same links) as the last one here, and within the agents' window the
         last cluster's pulls, failures and rates would be read as this one's."""
@@ -114,7 +114,7 @@ class PrometheusServer:
                 self._proc.kill()
         self._proc = None
 
-    def __enter__(self) -> "PrometheusServer":
+    def __enter__(self) -> PrometheusServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -62,8 +62,9 @@ def await_ready(url: str, model: str, headers: dict[str, str], timeout_s: float,
             why = f"{describe(body)} live ({body['status']})"
             if body["status"] == "ready":
                 started = time.monotonic()
-                done = httpx.post(f"{url}/v1/completions", headers=headers, timeout=120,
-                                  json={"model": model, "prompt": "ready", "max_tokens": 1, "temperature": 0})
+                done = httpx.post(
+                    f"{url}/v1/completions", headers=headers, timeout=120, json={"model": model, "prompt": "ready", "max_tokens": 1, "temperature": 0}
+                )
                 if done.status_code == 200:
                     echo(f"ready: {describe(body)} engines live; a first completion took {(time.monotonic() - started) * 1000:.0f} ms")
                     return True

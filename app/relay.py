@@ -55,12 +55,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def occupancy(c: "Conductor", role: RoleName, replica: ReplicaInfo) -> float:
+def occupancy(c: Conductor, role: RoleName, replica: ReplicaInfo) -> float:
     """Requests the conductor has in flight on `replica` over its batch limit."""
     return c.engines.load(replica.replica_id) / c.config.roles.get(role).engine.max_num_seqs
 
 
-async def rld_load(c: "Conductor") -> tuple[ReplicaInfo | None, float]:
+async def rld_load(c: Conductor) -> tuple[ReplicaInfo | None, float]:
     """The least loaded RLD replica and its occupancy (relays in flight / batch limit).
     A request can do without a relay: it does not wait for a new RLD replica's description."""
     infos = await c.engines.replicas(RoleName.relay_decode, wait=False)
@@ -70,7 +70,7 @@ async def rld_load(c: "Conductor") -> tuple[ReplicaInfo | None, float]:
     return best, occupancy(c, RoleName.relay_decode, best)
 
 
-async def pdd_pipeline(c: "Conductor", req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
+async def pdd_pipeline(c: Conductor, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
     keys = c.index.keys(req.prompt_token_ids)
     try:
         md, md_cached = await c.route(RoleName.main_decode, keys, journey)
@@ -150,7 +150,7 @@ class Relay:
 
     def __init__(
         self,
-        c: "Conductor",
+        c: Conductor,
         req: GenerationRequest,
         journey: Journey,
         md: ReplicaInfo,

@@ -71,8 +71,14 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
         warming = sum(x["warming"] for x in r["replicas"])
         known = sum(x["known_blocks"] for x in r["replicas"])
         capacity = sum(x["kv_blocks"] for x in r["replicas"])
-        roles.add_row(name, r["datacenter"], r["accelerator"], replicas, f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight),
-                      f"{_count(known)} of {_count(capacity)}")
+        roles.add_row(
+            name,
+            r["datacenter"],
+            r["accelerator"],
+            replicas,
+            f"{in_flight} ({warming} warm-ups)" if warming else str(in_flight),
+            f"{_count(known)} of {_count(capacity)}",
+        )
 
     links = Table(title="links", expand=True)
     for col in ("direction", "Mbit/s", "RTT ms", "KV moved", "state"):
@@ -97,8 +103,14 @@ def render(state: dict[str, Any], snapshot: Any | None, prometheus_note: str = "
     else:
         for p, fig in state["slo"]["recent"]["by_pipeline"].items():  # the conductor keeps p50/p90/p99 and the SLO's
             p99 = fig["ttft_ms"]["p99"]
-            slo.add_row(p, str(fig["requests"]), _judged(fig["ttft_ms"][pct], targets["ttft_ms"]), "-" if p99 is None else f"{p99:.0f}",
-                        _judged(fig["tpot_ms"][pct], targets["tpot_ms"]), _judged(fig["max_gap_ms"]["p99"], targets["max_gap_ms"]))
+            slo.add_row(
+                p,
+                str(fig["requests"]),
+                _judged(fig["ttft_ms"][pct], targets["ttft_ms"]),
+                "-" if p99 is None else f"{p99:.0f}",
+                _judged(fig["tpot_ms"][pct], targets["tpot_ms"]),
+                _judged(fig["max_gap_ms"]["p99"], targets["max_gap_ms"]),
+            )
 
     extra = []
     if snapshot is not None:
@@ -166,6 +178,8 @@ def figures_to_show(state: dict[str, Any], snapshot: Any) -> tuple[Any | None, s
     requests before a series' first scrape (a new app's first ones) never show in it."""
     served = state["slo"]["recent"]["by_pipeline"]
     if served and not any(rate > 0 for rate in snapshot.request_rate_by_pipeline.values()):
-        return None, (f"Prometheus shows no request rate yet (it counts from a series' second scrape); "
-                      f"figures below are the conductor's last {state['slo']['recent']['window_s']:g} s")
+        return None, (
+            f"Prometheus shows no request rate yet (it counts from a series' second scrape); "
+            f"figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
+        )
     return snapshot, ""

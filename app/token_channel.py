@@ -52,11 +52,12 @@ class SamplingOptions(msgspec.Struct):
     them as output (app/carried_sampling.py), so a request that moves between engines
     samples what one engine would have."""
 
-    def continued(self, done: int, max_tokens: int | None = None) -> "SamplingOptions":
+    def continued(self, done: int, max_tokens: int | None = None) -> SamplingOptions:
         """For a request whose prompt goes on with `done` more of its output tokens:
         the rest of max_tokens (or `max_tokens`), the seed's stream `done` draws on."""
-        return msgspec.structs.replace(self, max_tokens=self.max_tokens - done if max_tokens is None else max_tokens,
-                                       sampled_before=self.sampled_before + done, prompt_logprobs=None)
+        return msgspec.structs.replace(
+            self, max_tokens=self.max_tokens - done if max_tokens is None else max_tokens, sampled_before=self.sampled_before + done, prompt_logprobs=None
+        )
 
 
 class EngineRequest(msgspec.Struct, tag="gen"):
@@ -251,7 +252,7 @@ class TokenStreamClient:
             if self._writer is None:
                 try:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.address), self._connect_timeout_s)
-                except (OSError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, OSError) as exc:
                     self.closed = True
                     raise ChannelClosed(f"cannot reach engine at {self.address[0]}:{self.address[1]}: {exc}") from exc
                 self._writer = _FrameWriter(writer)

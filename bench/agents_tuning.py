@@ -124,8 +124,10 @@ class Point:
 
     def describe(self) -> str:
         k = self.knobs
-        return (f"{self.replicas[0]}P:{self.replicas[1]}RLD:{self.replicas[2]}MD, {k.routing.max_wan_transfer_ms:g} ms, "
-                f"{k.handoff.mode.value}/{k.handoff.catch_up_threshold_tokens}/{k.handoff.relay_cap_tokens}")
+        return (
+            f"{self.replicas[0]}P:{self.replicas[1]}RLD:{self.replicas[2]}MD, {k.routing.max_wan_transfer_ms:g} ms, "
+            f"{k.handoff.mode.value}/{k.handoff.catch_up_threshold_tokens}/{k.handoff.relay_cap_tokens}"
+        )
 
 
 def point_of(replicas: dict[str, int], knobs: LiveKnobs) -> Point:
@@ -162,8 +164,12 @@ class Twin:
         missing = _missing(wanted, self.runs)
         s = self.setup
         with progress.steps(console, "simulations", len(missing)) as step:
-            done = run_all(partial(_run_of, s), [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing], jobs=s.jobs,
-                           on_done=lambda i, _: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}"))
+            done = run_all(
+                partial(_run_of, s),
+                [(fleet_config(s.config, p.fleet, p.knobs), seed) for _, (p, seed) in missing],
+                jobs=s.jobs,
+                on_done=lambda i, _: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}"),
+            )
         self.runs.update((key, run) for (key, _), run in zip(missing, done))
         self.sims += len(missing)
 
@@ -172,8 +178,11 @@ class Twin:
         missing = _missing(wanted, self.searches)
         s = self.setup
         with progress.steps(console, "goodput searches", len(missing)) as step:
-            found = s.searches([(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing], rel_tol=rel_tol,
-                               on_done=lambda i, r: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}: {r.rps:.2f} RPS"))
+            found = s.searches(
+                [(fleet_config(s.config, p.fleet, p.knobs), seed, SEARCH_FROM_RPS) for _, (p, seed) in missing],
+                rel_tol=rel_tol,
+                on_done=lambda i, r: step(f"{missing[i][1][0].describe()}, seed {missing[i][1][1]}: {r.rps:.2f} RPS"),
+            )
         for (key, _), result in zip(missing, found):
             self.searches[key] = result.rps
             self.sims += len(result.probes)
@@ -208,15 +217,21 @@ class Tick:
     def row(self, config: PDDConfig) -> dict[str, Any]:
         k = self.point.knobs
         return {
-            "tick": self.tick, "t_s": self.t_s,
+            "tick": self.tick,
+            "t_s": self.t_s,
             **{SHORT[r]: n for r, n in zip(ROLES, self.point.replicas)},
             "cost_per_hour": fleet_cost(config, self.point.fleet),
-            "max_wan_transfer_ms": k.routing.max_wan_transfer_ms, "handoff_mode": k.handoff.mode.value,
-            "catch_up_threshold": k.handoff.catch_up_threshold_tokens, "relay_cap": k.handoff.relay_cap_tokens,
+            "max_wan_transfer_ms": k.routing.max_wan_transfer_ms,
+            "handoff_mode": k.handoff.mode.value,
+            "catch_up_threshold": k.handoff.catch_up_threshold_tokens,
+            "relay_cap": k.handoff.relay_cap_tokens,
             "min_hit_rate": k.routing.min_hit_rate,
             **{f"{name}_vs_slo": v for name, v in self.figures.items()},
-            "slo_attainment": self.attainment, "goodput_at_load_rps": self.goodput_at_load,
-            "situations": " ".join(self.situations), "changes": "; ".join(self.changes), "rollbacks": "; ".join(self.rollbacks),
+            "slo_attainment": self.attainment,
+            "goodput_at_load_rps": self.goodput_at_load,
+            "situations": " ".join(self.situations),
+            "changes": "; ".join(self.changes),
+            "rollbacks": "; ".join(self.rollbacks),
         }
 
 
@@ -244,8 +259,9 @@ def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: i
     config = setup.config
     oracle = None
     if what_if:
-        oracle = TwinWhatIf(setup.traffic(seed + WHAT_IF_SEED), window_s=setup.window_s, end_s=setup.span_s, seed=seed + WHAT_IF_SEED,
-                            warm_start=setup.warm_start)
+        oracle = TwinWhatIf(
+            setup.traffic(seed + WHAT_IF_SEED), window_s=setup.window_s, end_s=setup.span_s, seed=seed + WHAT_IF_SEED, warm_start=setup.warm_start
+        )
     agent = TwinAgent(config, what_if=oracle)
     out = AgentRun(seed)
     point, quiet = start, 0
@@ -255,11 +271,19 @@ def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: i
         snap = snapshot_from_run(run, config, now, window_s=setup.window_s, end_s=setup.span_s)
         summary = run.summary(setup.warmup_share)
         result = agent.tick(snap, knobs=point.knobs, replicas=point.fleet)
-        out.ticks.append(Tick(
-            tick=k, t_s=now, point=point, figures=slo_figures(snap, config.slo), attainment=summary.slo_attainment,
-            goodput_at_load=float(summary.sla_goodput_rps), situations=[s.key + ("" if s.severity else "(ok)") for s in result.situations],
-            changes=[c.describe() for c in result.changes], rollbacks=[c.describe() for c in result.rollbacks],
-        ))
+        out.ticks.append(
+            Tick(
+                tick=k,
+                t_s=now,
+                point=point,
+                figures=slo_figures(snap, config.slo),
+                attainment=summary.slo_attainment,
+                goodput_at_load=float(summary.sla_goodput_rps),
+                situations=[s.key + ("" if s.severity else "(ok)") for s in result.situations],
+                changes=[c.describe() for c in result.changes],
+                rollbacks=[c.describe() for c in result.rollbacks],
+            )
+        )
         point = point_of(result.replicas, result.knobs)
         quiet = 0 if result.changes else quiet + 1
         if quiet >= stable:
@@ -284,10 +308,22 @@ def show_ticks(run: AgentRun, config: PDDConfig, rps: float) -> None:
         k = tick.point.knobs
         fig = {name: f"{v:.2f}" + ("" if v <= 1 else " !") for name, v in tick.figures.items()}
         changes = "; ".join(tick.changes) if not tick.rollbacks else "ROLLBACK " + "; ".join(tick.rollbacks)
-        t.add_row(label, f"{tick.t_s / 60:.1f}", ":".join(map(str, tick.point.replicas)), f"{fleet_cost(config, tick.point.fleet):g}",
-                  f"{k.routing.max_wan_transfer_ms:g}", f"{k.handoff.mode.value}/{k.handoff.catch_up_threshold_tokens}", str(k.handoff.relay_cap_tokens),
-                  fig.get("ttft", "-"), fig.get("tpot", "-"), fig.get("gap", "-"), f"{tick.attainment:.1%}", f"{tick.goodput_at_load:.2f}",
-                  " ".join(tick.situations) or "-", changes or "-")
+        t.add_row(
+            label,
+            f"{tick.t_s / 60:.1f}",
+            ":".join(map(str, tick.point.replicas)),
+            f"{fleet_cost(config, tick.point.fleet):g}",
+            f"{k.routing.max_wan_transfer_ms:g}",
+            f"{k.handoff.mode.value}/{k.handoff.catch_up_threshold_tokens}",
+            str(k.handoff.relay_cap_tokens),
+            fig.get("ttft", "-"),
+            fig.get("tpot", "-"),
+            fig.get("gap", "-"),
+            f"{tick.attainment:.1%}",
+            f"{tick.goodput_at_load:.2f}",
+            " ".join(tick.situations) or "-",
+            changes or "-",
+        )
 
     folded: list[Tick] = []
     seen: list[str] | None = None
@@ -359,14 +395,20 @@ def sweep(twin: Twin, budget: float, a: argparse.Namespace) -> list[Point]:
 
     stage1 = screen_all([Point(n, with_knobs(base, {THRESHOLD: thr})) for n in fleets(config, budget) for thr in a.thresholds])
     leaders = list(best_by_fleet(stage1).values())[: a.finalists]
-    stage2 = screen_all([
-        Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap}))
-        for s in leaders for mode in a.modes for cap in a.caps
-    ])
+    stage2 = screen_all(
+        [
+            Point(s.point.replicas, with_knobs(s.point.knobs, {"handoff.mode": mode, "handoff.relay_cap_tokens": cap}))
+            for s in leaders
+            for mode in a.modes
+            for cap in a.caps
+        ]
+    )
     leading_fleets = {s.point.replicas for s in leaders}
     finalists = [s for s in best_by_fleet(stage1 + stage2).values() if s.point.replicas in leading_fleets]
-    t = Table(title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS; "
-                    f"finalists: the best point of each of the {len(finalists)} best fleets")
+    t = Table(
+        title=f"sweep: {len(stage1)} fleet x threshold points and {len(stage2)} handoff points screened at {twin.setup.rps:g} RPS; "
+        f"finalists: the best point of each of the {len(finalists)} best fleets"
+    )
     for col in ("configuration", "$/h", "in SLO", "SLO score"):
         t.add_column(col, justify="right")
     for s in finalists:
@@ -404,8 +446,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="traffic seeds: the agents run once per seed; figures are medians")
     ap.add_argument("--seed", type=int, default=0, help="first traffic seed")
     ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="simulated seconds of traffic before the window")
-    ap.add_argument("--cold-start", action="store_true",
-                    help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)")
+    ap.add_argument(
+        "--cold-start", action="store_true", help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)"
+    )
     ap.add_argument("--ticks", type=int, default=200, help="tick limit")
     ap.add_argument("--stable", type=int, default=20, help="ticks without a change that count as converged")
     ap.add_argument("--no-what-if", dest="what_if", action="store_false", help="capacity decides by rules, without the twin's what-if")
@@ -418,9 +461,13 @@ def main() -> None:
     ap.add_argument("--caps", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--finalists", type=int, default=5, help="fleets whose best screened configuration gets a goodput search")
     ap.add_argument("--rel-tol", type=float, default=0.02, help="goodput search precision")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="processes for the runs and searches that do not wait on each other, and for the seeds' agents "
-                         "(default: every CPU); the figures are the same for any number")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes for the runs and searches that do not wait on each other, and for the seeds' agents "
+        "(default: every CPU); the figures are the same for any number",
+    )
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
     if a.finalists < 1:
@@ -444,10 +491,13 @@ def main() -> None:
     twin.searches.update(sizing.searches)  # searches do not depend on the offered load
     twin.sims += sizing.sims
     start = start_point(config, budget, a)
-    console.print(f"{a.config}: budget ${budget:g}/h, {rps:g} RPS offered, {setup.span_s:g} s simulated per run "
-                  f"({a.warmup_s:g} s warm-up + {window_s:g} s window, ~{round(rps * setup.span_s):,} requests), seeds {seeds}")
-    console.print(f"the config file: {shipped.describe()} (${fleet_cost(config, shipped.fleet):g}/h); "
-                  f"start: {start.describe()} (${fleet_cost(config, start.fleet):g}/h)")
+    console.print(
+        f"{a.config}: budget ${budget:g}/h, {rps:g} RPS offered, {setup.span_s:g} s simulated per run "
+        f"({a.warmup_s:g} s warm-up + {window_s:g} s window, ~{round(rps * setup.span_s):,} requests), seeds {seeds}"
+    )
+    console.print(
+        f"the config file: {shipped.describe()} (${fleet_cost(config, shipped.fleet):g}/h); start: {start.describe()} (${fleet_cost(config, start.fleet):g}/h)"
+    )
 
     t_sweep = time.perf_counter()
     finalists = sweep(twin, budget, a)
@@ -508,32 +558,61 @@ def main() -> None:
         if label == "agents, final":
             done = [r.ticks_to_converge for r in runs if r.ticks_to_converge is not None]
             ticks = f"{median(done):g}" + ("" if len(done) == len(runs) else f" ({len(runs) - len(done)} unsettled)") if done else "unsettled"
-        t.add_row(label, describe, f"{cost:g}", f"{median(gp):.2f}", f"{median(gp) / best_med:.3f}" if best_med else "-",
-                  f"{att:.1%}", f"{gl:.2f}", f"{gl / best_at_load:.3f}" if best_at_load else "-", ticks)
-        summary_rows.append({"label": label, "configuration": describe, "cost_per_hour": cost, "sla_goodput_rps": median(gp),
-                             "sla_goodput_by_seed": gp, "slo_attainment_at_load": att, "goodput_at_load_rps": gl})
+        t.add_row(
+            label,
+            describe,
+            f"{cost:g}",
+            f"{median(gp):.2f}",
+            f"{median(gp) / best_med:.3f}" if best_med else "-",
+            f"{att:.1%}",
+            f"{gl:.2f}",
+            f"{gl / best_at_load:.3f}" if best_at_load else "-",
+            ticks,
+        )
+        summary_rows.append(
+            {
+                "label": label,
+                "configuration": describe,
+                "cost_per_hour": cost,
+                "sla_goodput_rps": median(gp),
+                "sla_goodput_by_seed": gp,
+                "slo_attainment_at_load": att,
+                "goodput_at_load_rps": gl,
+            }
+        )
     console.print(t)
 
     converged = [r.ticks_to_converge for r in runs if r.ticks_to_converge is not None]
     ratio = median(agents_goodput) / best_med if best_med else float("nan")
     at_load_ratio = median([float(at_load(r.final, r.seed).sla_goodput_rps) for r in runs]) / best_at_load if best_at_load else float("nan")
     wall = time.perf_counter() - t0
-    console.print(f"goodput_vs_best {ratio:.3f} (goal >= 0.95), at {rps:g} RPS {at_load_ratio:.3f}; ticks_to_converge "
-                  f"{median(converged) if converged else 'none'}; {twin.sims} simulations; sweep {t_sweep:.0f} s, agents {t_agents:.0f} s, "
-                  f"goodput searches {t_search:.0f} s, total {wall:.0f} s")
+    console.print(
+        f"goodput_vs_best {ratio:.3f} (goal >= 0.95), at {rps:g} RPS {at_load_ratio:.3f}; ticks_to_converge "
+        f"{median(converged) if converged else 'none'}; {twin.sims} simulations; sweep {t_sweep:.0f} s, agents {t_agents:.0f} s, "
+        f"goodput searches {t_search:.0f} s, total {wall:.0f} s"
+    )
 
     rows = [{"seed": r.seed, **tick.row(config)} for r in runs for tick in r.ticks]
     summary = {
         "goodput_vs_best": ratio,
         "ticks_to_converge": median(converged) if len(converged) == len(runs) else None,
         "goodput_at_load_vs_best": at_load_ratio,
-        "converged_runs": len(converged), "runs": len(runs),
+        "converged_runs": len(converged),
+        "runs": len(runs),
         "ticks_to_converge_by_seed": [r.ticks_to_converge for r in runs],
         "final_by_seed": [r.final.describe() for r in runs],
-        "best": best.describe(), "finalists": [p.describe() for p in finalists],
+        "best": best.describe(),
+        "finalists": [p.describe() for p in finalists],
         "finalists_sla_goodput_by_seed": {finalists[i].describe(): v for i, v in best_by_seed.items()},
-        "rps": rps, "budget_per_hour": budget, "seeds": seeds, "warmup_s": a.warmup_s, "window_s": setup.window_s,
-        "what_if": a.what_if, "table": summary_rows, "simulations": twin.sims, "wall_s": wall,
+        "rps": rps,
+        "budget_per_hour": budget,
+        "seeds": seeds,
+        "warmup_s": a.warmup_s,
+        "window_s": setup.window_s,
+        "what_if": a.what_if,
+        "table": summary_rows,
+        "simulations": twin.sims,
+        "wall_s": wall,
     }
 
     def plot(path: Path) -> None:
@@ -544,14 +623,35 @@ def main() -> None:
             x = [tick.t_s / 60 for tick in run.ticks]
             axes[0].step(x, [tick.goodput_at_load for tick in run.ticks], where="post", label=f"seed {run.seed}")
             for i, role in enumerate(ROLES):
-                axes[1].step(x, [tick.point.replicas[i] for tick in run.ticks], where="post", color=f"C{i}",
-                             label=SHORT[role] if run is runs[0] else None, alpha=0.9 if run is runs[0] else 0.4)
-            axes[2].step(x, [tick.point.knobs.routing.max_wan_transfer_ms for tick in run.ticks], where="post", color="C0",
-                         label="max_wan_transfer_ms" if run is runs[0] else None)
-            axes[2].step(x, [tick.point.knobs.handoff.relay_cap_tokens for tick in run.ticks], where="post", color="C1",
-                         label="relay_cap_tokens" if run is runs[0] else None)
-            axes[2].step(x, [tick.point.knobs.handoff.catch_up_threshold_tokens for tick in run.ticks], where="post", color="C2",
-                         label="catch_up_threshold_tokens" if run is runs[0] else None)
+                axes[1].step(
+                    x,
+                    [tick.point.replicas[i] for tick in run.ticks],
+                    where="post",
+                    color=f"C{i}",
+                    label=SHORT[role] if run is runs[0] else None,
+                    alpha=0.9 if run is runs[0] else 0.4,
+                )
+            axes[2].step(
+                x,
+                [tick.point.knobs.routing.max_wan_transfer_ms for tick in run.ticks],
+                where="post",
+                color="C0",
+                label="max_wan_transfer_ms" if run is runs[0] else None,
+            )
+            axes[2].step(
+                x,
+                [tick.point.knobs.handoff.relay_cap_tokens for tick in run.ticks],
+                where="post",
+                color="C1",
+                label="relay_cap_tokens" if run is runs[0] else None,
+            )
+            axes[2].step(
+                x,
+                [tick.point.knobs.handoff.catch_up_threshold_tokens for tick in run.ticks],
+                where="post",
+                color="C2",
+                label="catch_up_threshold_tokens" if run is runs[0] else None,
+            )
         axes[0].axhline(rps, color="grey", lw=0.8, ls=":", label=f"offered {rps:g} RPS")
         axes[0].axhline(best_at_load, color="C3", lw=0.8, ls="--", label="sweep's best at this load")
         axes[0].set_ylabel("goodput at load (req/s in SLO)")

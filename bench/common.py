@@ -170,7 +170,7 @@ class LocalApp:
         self.name = name
         self.port = free_port()
 
-    def __enter__(self) -> "LocalApp":
+    def __enter__(self) -> LocalApp:
         import ray
         from ray import serve
 
@@ -238,4 +238,7 @@ def median(values: Sequence[float]) -> float:
 
 
 def records_as_dicts(result: LoadResult) -> list[dict[str, Any]]:
-    return [{"label": result.label, "concurrency": result.concurrency, **{k: v for k, v in asdict(r).items() if k not in ("gaps_s", "text")}} for r in result.records]
+    return [
+        {"label": result.label, "concurrency": result.concurrency, **{k: v for k, v in asdict(r).items() if k not in ("gaps_s", "text")}}
+        for r in result.records
+    ]

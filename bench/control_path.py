@@ -59,8 +59,16 @@ def main() -> None:
                         journey = completion_journey(app.base_url, prompt, mode, ignore_eos=True)
                         if journey.get("error") or journey.get("ttft_ms") is None:
                             raise SystemExit(f"{mode}: request {journey.get('request_id')} failed: {journey.get('error')}")
-                        rows.append({"round": round_, "mode": mode, "pipeline": journey["pipeline"], "prompt_tokens": len(prompt),
-                                     "hit_tokens": max(journey["hit_tokens"].values(), default=0), "ttft_ms": journey["ttft_ms"]})
+                        rows.append(
+                            {
+                                "round": round_,
+                                "mode": mode,
+                                "pipeline": journey["pipeline"],
+                                "prompt_tokens": len(prompt),
+                                "hit_tokens": max(journey["hit_tokens"].values(), default=0),
+                                "ttft_ms": journey["ttft_ms"],
+                            }
+                        )
                         bar.advance(task)
 
     ttft = {mode: [r["ttft_ms"] for r in rows if r["mode"] == mode] for mode in MODES}

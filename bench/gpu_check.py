@@ -58,21 +58,33 @@ def steps(out: Path, skip_install: bool, python: Path = VENV_PYTHON) -> list[Ste
     bench_out = {"PDD_BENCH_OUT": str(out)}
     plan = [
         Step("gpu", ["nvidia-smi"], 10, "the card, its driver and memory", outputs=("gpu.log",)),
-        Step("install", ["make", "install", "EXTRAS=gpu,test"], 140, "venv with CUDA vLLM and the test tools (make install)",
-             outputs=("install.log",)),
-        Step("identity", [py, "-m", "pytest", "tests/integration/test_gpu.py", "-q", "-p", "no:cacheprovider", "-rs",
-                          f"--junitxml={out / 'identity.xml'}"], 130,
-             "token identity across every pipeline and handoff mode, greedy and seeded with penalties (float32 dev model)",
-             env={"PDD_REQUIRE_GPU": "1"}, outputs=("identity.log", "identity.xml")),
-        Step("pipelines", [py, "bench/pipelines.py", "--gpu", "--requests", "24", "--rps", "2", "--calibration-requests", "0",
-                           "--json", str(out / "pipelines.json")], 110,
-             "colocated, pd_intra_dc, pd_cross_dc_naive and pdd on one agentic trace (8B-shaped dummy weights)",
-             script=ROOT / "bench" / "pipelines.py", env=bench_out, outputs=("pipelines.log", "pipelines.json", "pipelines.csv", "pipelines.png")),
-        Step("serve_overhead", [py, "bench/serve_overhead.py", "--gpu", "--rounds", "2", "--requests-c1", "6", "--requests-c16", "32",
-                                "--json", str(out / "serve_overhead.json")], 90,
-             "our stack against vLLM's own OpenAI server, same engine arguments and environment",
-             script=ROOT / "bench" / "serve_overhead.py", env=bench_out,
-             outputs=("serve_overhead.log", "serve_overhead.json", "serve_overhead.csv", "serve_overhead.png")),
+        Step("install", ["make", "install", "EXTRAS=gpu,test"], 140, "venv with CUDA vLLM and the test tools (make install)", outputs=("install.log",)),
+        Step(
+            "identity",
+            [py, "-m", "pytest", "tests/integration/test_gpu.py", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={out / 'identity.xml'}"],
+            130,
+            "token identity across every pipeline and handoff mode, greedy and seeded with penalties (float32 dev model)",
+            env={"PDD_REQUIRE_GPU": "1"},
+            outputs=("identity.log", "identity.xml"),
+        ),
+        Step(
+            "pipelines",
+            [py, "bench/pipelines.py", "--gpu", "--requests", "24", "--rps", "2", "--calibration-requests", "0", "--json", str(out / "pipelines.json")],
+            110,
+            "colocated, pd_intra_dc, pd_cross_dc_naive and pdd on one agentic trace (8B-shaped dummy weights)",
+            script=ROOT / "bench" / "pipelines.py",
+            env=bench_out,
+            outputs=("pipelines.log", "pipelines.json", "pipelines.csv", "pipelines.png"),
+        ),
+        Step(
+            "serve_overhead",
+            [py, "bench/serve_overhead.py", "--gpu", "--rounds", "2", "--requests-c1", "6", "--requests-c16", "32", "--json", str(out / "serve_overhead.json")],
+            90,
+            "our stack against vLLM's own OpenAI server, same engine arguments and environment",
+            script=ROOT / "bench" / "serve_overhead.py",
+            env=bench_out,
+            outputs=("serve_overhead.log", "serve_overhead.json", "serve_overhead.csv", "serve_overhead.png"),
+        ),
     ]
     return [s for s in plan if not (skip_install and s.name == "install")]
 
@@ -153,8 +165,12 @@ def run(plan: list[Step], out: Path, python: Path = VENV_PYTHON) -> dict:
         print(f"      {status} in {seconds:.0f} s; last lines of {log}:")
         print("\n".join("        " + line for line in log.read_text(errors="replace").splitlines()[-6:]), flush=True)
         results.append({"step": s.name, "status": status, "seconds": round(seconds, 1), "log": str(log)})
-    summary = {"finished_at": datetime.datetime.now().isoformat(timespec="seconds"), "total_s": round(time.monotonic() - started, 1),
-               "steps": results, "figures": _figures(out)}
+    summary = {
+        "finished_at": datetime.datetime.now().isoformat(timespec="seconds"),
+        "total_s": round(time.monotonic() - started, 1),
+        "steps": results,
+        "figures": _figures(out),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -180,8 +196,10 @@ def _run_step(s: Step, log, python: Path) -> int | str:
 def _figures(out: Path) -> dict:
     """The benches' headline figures, where they wrote them."""
     figures = {}
-    keys = {"pipelines.json": ("gap_p99_pdd_over_intra", "gap_p99_naive_over_pdd", "ttft_p99_pdd_over_intra"),
-            "serve_overhead.json": ("throughput_ratio_c1", "throughput_ratio_c16", "ttft_p50_delta_ms_c1", "ttft_p50_delta_ms_c16")}
+    keys = {
+        "pipelines.json": ("gap_p99_pdd_over_intra", "gap_p99_naive_over_pdd", "ttft_p99_pdd_over_intra"),
+        "serve_overhead.json": ("throughput_ratio_c1", "throughput_ratio_c16", "ttft_p50_delta_ms_c1", "ttft_p50_delta_ms_c16"),
+    }
     for name, wanted in keys.items():
         path = out / name
         if path.exists():
@@ -194,9 +212,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="folder for every output (default bench/out/gpu_check-DATE)")
     ap.add_argument("--skip-install", action="store_true", help="the venv is already installed with EXTRAS=gpu,test")
-    ap.add_argument("--python", type=Path, default=None,
-                    help="run the steps with this interpreter, whose environment already holds CUDA vllm and the test extras "
-                         "(a machine that reaches no package index); implies --skip-install")
+    ap.add_argument(
+        "--python",
+        type=Path,
+        default=None,
+        help="run the steps with this interpreter, whose environment already holds CUDA vllm and the test extras "
+        "(a machine that reaches no package index); implies --skip-install",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the steps and check what they use; run nothing")
     a = ap.parse_args()
     out = (a.out or ROOT / "bench" / "out" / f"gpu_check-{datetime.datetime.now():%Y%m%d-%H%M%S}").resolve()
@@ -210,8 +232,7 @@ def main() -> None:
         sys.exit(1 if problems else 0)
     summary = run(plan, out, python)
     failed = [r["step"] for r in summary["steps"] if r["status"] != "ok"]
-    print(f"gpu_check: {len(plan) - len(failed)} of {len(plan)} steps ok in {summary['total_s']:.0f} s; figures {summary['figures']}; "
-          f"everything in {out}")
+    print(f"gpu_check: {len(plan) - len(failed)} of {len(plan)} steps ok in {summary['total_s']:.0f} s; figures {summary['figures']}; everything in {out}")
     sys.exit(1 if failed else 0)
 
 

@@ -87,18 +87,22 @@ def main() -> None:
                 naive = wan_transfer(completion_journey(app.base_url, turn2, mode="pd_cross_dc_naive"))
                 naive_bytes = wan_bytes() - before
                 minimum = (math.ceil(L / BLOCK) - keep // BLOCK) * block_bytes
-                rows.append({
-                    "hit_rate": h,
-                    "repeat": rep,
-                    "blocks_sent": ours["blocks"],
-                    "min_bytes": minimum,
-                    "our_wan_bytes": ours_bytes,
-                    "naive_wan_bytes": naive_bytes,
-                    "our_seconds": ours["seconds"],
-                    "model_seconds": link.transfer_seconds(ours["bytes"]),
-                    "naive_seconds": naive["seconds"],
-                })
-                console.print(f"[{i * a.repeats + rep + 1}/{total}] hit {h:.0%}: {ours['blocks']} blocks, {ours_bytes / 1e6:.2f} MB vs naive {naive_bytes / 1e6:.2f} MB, {ours['seconds'] * 1000:.0f} ms")
+                rows.append(
+                    {
+                        "hit_rate": h,
+                        "repeat": rep,
+                        "blocks_sent": ours["blocks"],
+                        "min_bytes": minimum,
+                        "our_wan_bytes": ours_bytes,
+                        "naive_wan_bytes": naive_bytes,
+                        "our_seconds": ours["seconds"],
+                        "model_seconds": link.transfer_seconds(ours["bytes"]),
+                        "naive_seconds": naive["seconds"],
+                    }
+                )
+                console.print(
+                    f"[{i * a.repeats + rep + 1}/{total}] hit {h:.0%}: {ours['blocks']} blocks, {ours_bytes / 1e6:.2f} MB vs naive {naive_bytes / 1e6:.2f} MB, {ours['seconds'] * 1000:.0f} ms"
+                )
 
     table = Table(title=f"KV over the WAN ({a.bandwidth_mbps:g} Mbit/s, {a.rtt_ms:g} ms RTT), {a.tokens}-token turns, medians of {a.repeats}")
     for col in ("MD hit", "blocks sent", "ours MB", "minimum MB", "ours/min", "naive MB", "naive/ours", "ours ms", "link model ms", "measured/model"):
@@ -113,8 +117,16 @@ def main() -> None:
         model_s = median([r["model_seconds"] for r in rs])
         summary_rows.append({"hit_rate": h, "ours_over_min": ours_b / min_b, "naive_over_ours": naive_b / ours_b, "measured_over_model": ours_s / model_s})
         table.add_row(
-            f"{h:.0%}", f"{median([r['blocks_sent'] for r in rs]):.0f}", f"{ours_b / 1e6:.2f}", f"{min_b / 1e6:.2f}", f"{ours_b / min_b:.4f}",
-            f"{naive_b / 1e6:.2f}", f"{naive_b / ours_b:.1f}x", f"{ours_s * 1000:.0f}", f"{model_s * 1000:.0f}", f"{ours_s / model_s:.2f}",
+            f"{h:.0%}",
+            f"{median([r['blocks_sent'] for r in rs]):.0f}",
+            f"{ours_b / 1e6:.2f}",
+            f"{min_b / 1e6:.2f}",
+            f"{ours_b / min_b:.4f}",
+            f"{naive_b / 1e6:.2f}",
+            f"{naive_b / ours_b:.1f}x",
+            f"{ours_s * 1000:.0f}",
+            f"{model_s * 1000:.0f}",
+            f"{ours_s / model_s:.2f}",
         )
     console.print(table)
     at90 = next(r for r in summary_rows if r["hit_rate"] == 0.9)

@@ -42,14 +42,30 @@ from app.sim.cluster import cost_per_hour
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload
 from bench.common import median, write_outputs
-from bench.paper_table import (PAPER, PAPER_DECODE_SHARE, WORKLOAD, add_run_arguments, as_generated, best_intra_and_pdd, console,
-                               decode_cost, fleet, load_base, timed_traffic, wan_link_gbps)
+from bench.paper_table import (
+    PAPER,
+    PAPER_DECODE_SHARE,
+    WORKLOAD,
+    add_run_arguments,
+    as_generated,
+    best_intra_and_pdd,
+    console,
+    decode_cost,
+    fleet,
+    load_base,
+    timed_traffic,
+    wan_link_gbps,
+)
 
 
 def scaled_outputs(w: AgenticWorkload, scale: float, answer_s_per_token: float) -> AgenticWorkload:
-    return w.model_copy(update={"output_median": max(1, round(w.output_median * scale)),
-                                "output_max": max(1, round(w.output_max * scale)),
-                                "answer_s_per_output_token": answer_s_per_token})
+    return w.model_copy(
+        update={
+            "output_median": max(1, round(w.output_median * scale)),
+            "output_max": max(1, round(w.output_max * scale)),
+            "answer_s_per_output_token": answer_s_per_token,
+        }
+    )
 
 
 def crossing(xs: list[float], ys: list[float], level: float) -> float | None:
@@ -80,30 +96,54 @@ def point(base, t: TimedTraffic, seeds: int, scale_replicas: int) -> dict:
     p, i = med["pdd"], med["intra"]
     pdd_cost, intra_cost = cost_per_hour(pdd_cfg), cost_per_hour(intra_cfg)
     return {
-        "output_median": w.output_median, "output_max": w.output_max,
+        "output_median": w.output_median,
+        "output_max": w.output_max,
         "mean_output_tokens": as_generated(w)["mean_output_tokens"],
-        "pdd_fleet": fleet(pdd_cfg), "pdd_threshold_ms": pdd_cfg.routing.max_wan_transfer_ms,
-        "pdd_relay_cap_tokens": pdd_cfg.handoff.relay_cap_tokens, "intra_fleet": fleet(intra_cfg),
-        "pdd_rps": p["rps"], "intra_rps": i["rps"], "pdd_cost": pdd_cost, "intra_cost": intra_cost,
-        "rps_ratio": p["rps"] / i["rps"], "bcr_ratio": (p["rps"] / pdd_cost) / (i["rps"] / intra_cost),
+        "pdd_fleet": fleet(pdd_cfg),
+        "pdd_threshold_ms": pdd_cfg.routing.max_wan_transfer_ms,
+        "pdd_relay_cap_tokens": pdd_cfg.handoff.relay_cap_tokens,
+        "intra_fleet": fleet(intra_cfg),
+        "pdd_rps": p["rps"],
+        "intra_rps": i["rps"],
+        "pdd_cost": pdd_cost,
+        "intra_cost": intra_cost,
+        "rps_ratio": p["rps"] / i["rps"],
+        "bcr_ratio": (p["rps"] / pdd_cost) / (i["rps"] / intra_cost),
         **{f"ttft{q}_ratio": p.get(f"ttft{q}", math.nan) / i.get(f"ttft{q}", math.nan) for q in (50, 90, 99)},
         **{f"pdd_ttft{q}": p.get(f"ttft{q}", math.nan) for q in (50, 90, 99)},
         **{f"intra_ttft{q}": i.get(f"ttft{q}", math.nan) for q in (50, 90, 99)},
-        "pdd_decode_share": decode_cost(pdd_cfg) / pdd_cost, "intra_decode_share": decode_cost(intra_cfg) / intra_cost,
+        "pdd_decode_share": decode_cost(pdd_cfg) / pdd_cost,
+        "intra_decode_share": decode_cost(intra_cfg) / intra_cost,
         "relay_share_of_tokens": p.get("relay_share", math.nan),
     }
 
 
 def show(rows: list[dict]) -> None:
     t = Table(title="PDD vs intra-DC H100 PD as outputs grow (twin; medians over seeds)")
-    for col in ("output median / mean", "intra-DC fleet", "PDD fleet", "RPS in SLA intra / PDD", "RPS ratio", "BCR ratio",
-                "TTFT p50 / p90 / p99 ratio", "decode share intra / PDD", "relay tokens"):
+    for col in (
+        "output median / mean",
+        "intra-DC fleet",
+        "PDD fleet",
+        "RPS in SLA intra / PDD",
+        "RPS ratio",
+        "BCR ratio",
+        "TTFT p50 / p90 / p99 ratio",
+        "decode share intra / PDD",
+        "relay tokens",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(f"{r['output_median']:,} / {r['mean_output_tokens']:,.0f}", r["intra_fleet"], r["pdd_fleet"],
-                  f"{r['intra_rps']:.2f} / {r['pdd_rps']:.2f}", f"{r['rps_ratio']:.3f}", f"{r['bcr_ratio']:.3f}",
-                  f"{r['ttft50_ratio']:.2f} / {r['ttft90_ratio']:.2f} / {r['ttft99_ratio']:.2f}",
-                  f"{r['intra_decode_share']:.0%} / {r['pdd_decode_share']:.0%}", f"{r['relay_share_of_tokens']:.1%}")
+        t.add_row(
+            f"{r['output_median']:,} / {r['mean_output_tokens']:,.0f}",
+            r["intra_fleet"],
+            r["pdd_fleet"],
+            f"{r['intra_rps']:.2f} / {r['pdd_rps']:.2f}",
+            f"{r['rps_ratio']:.3f}",
+            f"{r['bcr_ratio']:.3f}",
+            f"{r['ttft50_ratio']:.2f} / {r['ttft90_ratio']:.2f} / {r['ttft99_ratio']:.2f}",
+            f"{r['intra_decode_share']:.0%} / {r['pdd_decode_share']:.0%}",
+            f"{r['relay_share_of_tokens']:.1%}",
+        )
     console.print(t)
 
 
@@ -127,8 +167,7 @@ def main() -> None:
     for k, scale in enumerate(scales, 1):
         t = timed_traffic(scaled_outputs(WORKLOAD, scale, answer_s), a)
         w = t.workload
-        console.rule(f"[{k}/{len(scales)}] outputs x{scale:g}: median {w.output_median:,}, cap {w.output_max:,} "
-                     f"({time.perf_counter() - t0:.0f} s so far)")
+        console.rule(f"[{k}/{len(scales)}] outputs x{scale:g}: median {w.output_median:,}, cap {w.output_max:,} ({time.perf_counter() - t0:.0f} s so far)")
         rows.append({"scale": scale, **point(base, t, a.seeds, a.scale)})
         show(rows)
 
@@ -164,9 +203,17 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
-    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
-               "wan_link_gbps": wan_link_gbps(base), "answer_s_per_output_token": answer_s,
-               "rows": rows, **found, "wall_s": time.perf_counter() - t0}
+    summary = {
+        "seeds": a.seeds,
+        "warmup_s": a.warmup_s,
+        "window_s": a.window_s,
+        "scale": a.scale,
+        "wan_link_gbps": wan_link_gbps(base),
+        "answer_s_per_output_token": answer_s,
+        "rows": rows,
+        **found,
+        "wall_s": time.perf_counter() - t0,
+    }
     csv_path = write_outputs("paper_crossover", rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s)")
 

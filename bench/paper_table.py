@@ -78,10 +78,18 @@ CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
 
 #: ../shared/PDD.md, "Reported results (DeepSeek-V4-pro, real agentic trace, 64K context, 90% hit)".
 PAPER = {
-    "intra_rps": 9.0, "pdd_rps": 11.5,
-    "cost_change": (-0.071, -0.035), "bcr_change": (0.324, 0.375),
-    "intra_ttft": (3.9, 10.4, 17.2), "pdd_ttft": (4.2, 9.8, 14.4), "naive_ttft": (6.7, 18.3, 29.7),
-    "raw_wan_gbps": 180.0, "wan_cut": 10.0, "relay_share": 0.06, "relay_gpus": (3, 75), "decode_gpus": (32, 75),
+    "intra_rps": 9.0,
+    "pdd_rps": 11.5,
+    "cost_change": (-0.071, -0.035),
+    "bcr_change": (0.324, 0.375),
+    "intra_ttft": (3.9, 10.4, 17.2),
+    "pdd_ttft": (4.2, 9.8, 14.4),
+    "naive_ttft": (6.7, 18.3, 29.7),
+    "raw_wan_gbps": 180.0,
+    "wan_cut": 10.0,
+    "relay_share": 0.06,
+    "relay_gpus": (3, 75),
+    "decode_gpus": (32, 75),
 }
 PAPER_DECODE_SHARE = PAPER["decode_gpus"][0] / PAPER["decode_gpus"][1]
 """Decode's share of the paper's deployment (43 GPU-A + 32 GPU-B, the latter decoding)."""
@@ -94,9 +102,9 @@ RELAY_CAPS = (512, 128, 32)
 the relay sooner when the WAN queues, at the price of a stall for a transfer that outlasts it."""
 
 WORKLOAD = AgenticWorkload(
-    first_prompt_median=32_768,   # "64K context": contexts start at half the window and grow to it
+    first_prompt_median=32_768,  # "64K context": contexts start at half the window and grow to it
     max_context_tokens=65_536,
-    output_median=400,            # mean ~550 with sigma 0.8: TraceLab's coding-agent steps average 523 output tokens
+    output_median=400,  # mean ~550 with sigma 0.8: TraceLab's coding-agent steps average 523 output tokens
 )
 
 H100, H200 = "h100-a", "h200-b"
@@ -112,31 +120,69 @@ def parameters(base: PDDConfig, t: TimedTraffic, wan_from_option: bool) -> list[
     wan = base.link("dc-a", "dc-b")
     weights_gb = m.total_params_b * m.weight_bytes_per_param
     return [
-        ("model", f"DeepSeek-V4-Pro: {m.total_params_b:g}B total, {m.active_params_b:g}B active, {weights_gb:.0f} GB of weights",
-         "model card; FP4 experts + FP8 rest at V4-Flash's 0.523 B/param"),
-        ("KV bytes per token (stored / read per step)", f"{m.kv_bytes_per_token:,} / {m.kv_read_bytes_per_token:,.0f}",
-         "vLLM V4 blog (9.62 GiB per 1M tokens); CSA indexer keys + HCA entries"),
+        (
+            "model",
+            f"DeepSeek-V4-Pro: {m.total_params_b:g}B total, {m.active_params_b:g}B active, {weights_gb:.0f} GB of weights",
+            "model card; FP4 experts + FP8 rest at V4-Flash's 0.523 B/param",
+        ),
+        (
+            "KV bytes per token (stored / read per step)",
+            f"{m.kv_bytes_per_token:,} / {m.kv_read_bytes_per_token:,.0f}",
+            "vLLM V4 blog (9.62 GiB per 1M tokens); CSA indexer keys + HCA entries",
+        ),
         ("attention FLOPs per token pair", f"{m.attention_flops_per_token_pair:,.0f}", "CSA indexer (64 x 128) + HCA (128 heads x 512)"),
-        ("H100 replica", f"{groups[H100].num_gpus:g} GPUs, ${groups[H100].cost_per_hour:g}/h",
-         "datasheet 989 TFLOP/s, 3.35 TB/s, 80 GB; weights need 11 GPUs: 2 nodes; CoreWeave $49.24/h per 8"),
-        ("H200 replica", f"{groups[H200].num_gpus:g} GPUs, ${groups[H200].cost_per_hour:g}/h",
-         "datasheet 989 TFLOP/s, 4.8 TB/s, 141 GB; 1 node holds the weights; CoreWeave $50.44/h per 8"),
-        ("compute / bandwidth efficiency", f"{groups[H100].spec.compute_efficiency:g} / {groups[H100].spec.bandwidth_efficiency:g}",
-         "DeepSeek inference-system note (prefill tokens/s per H800 node) / assumption"),
-        ("engine", f"max_num_seqs {base.roles.main_decode.engine.max_num_seqs}, chunk budget "
-         f"{base.roles.prefill.engine.max_num_batched_tokens}, block {base.model.block_size}", "vLLM defaults for H100/H200; vLLM's V4 block size"),
-        ("WAN", f"{wan_link_gbps(base):g} Gb/s, {wan.rtt_ms:g} ms RTT, lognormal jitter {wan.jitter.mean_ms:g} ms, "
-         f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms", "--wan-gbps, a sensitivity run (the config's value is the assumption: tens of Gb/s)" if wan_from_option
-         else "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need"),
-        ("routing / handoff", f"P-MD when WAN <= one of {', '.join(f'{t:g}' for t in THRESHOLDS_MS)} ms (best); "
-         f"{base.handoff.mode.value}, relay cap one of {', '.join(str(c) for c in RELAY_CAPS)} tokens (best)", "config and policy defaults"),
-        ("SLO", f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
-         "paper's TTFT P90s near 10 s; DeepSeek's ~20 tokens/s per user; gap: assumption"),
-        ("runs", f"{'cold' if not t.warm_start else 'warm'} start, {t.warmup_s:g} s of traffic, then {t.window_s:g} s measured, at every load",
-         "twin: warm, a cluster already serving the conversations under way; 450 s lets a slowly growing WAN backlog show"),
-        ("workload", f"sessions of {w.turns_min}-{w.turns_max} turns; first prompt median "
-         f"{w.first_prompt_median:,}, window {w.max_context_tokens:,}; output median {w.output_median}; think "
-         f"{w.think_time_min_s:g}+exp({w.think_time_mean_s:g}) s", "PDD.md: 64K context, ~90% hit; TraceLab: ~523 output tokens per step"),
+        (
+            "H100 replica",
+            f"{groups[H100].num_gpus:g} GPUs, ${groups[H100].cost_per_hour:g}/h",
+            "datasheet 989 TFLOP/s, 3.35 TB/s, 80 GB; weights need 11 GPUs: 2 nodes; CoreWeave $49.24/h per 8",
+        ),
+        (
+            "H200 replica",
+            f"{groups[H200].num_gpus:g} GPUs, ${groups[H200].cost_per_hour:g}/h",
+            "datasheet 989 TFLOP/s, 4.8 TB/s, 141 GB; 1 node holds the weights; CoreWeave $50.44/h per 8",
+        ),
+        (
+            "compute / bandwidth efficiency",
+            f"{groups[H100].spec.compute_efficiency:g} / {groups[H100].spec.bandwidth_efficiency:g}",
+            "DeepSeek inference-system note (prefill tokens/s per H800 node) / assumption",
+        ),
+        (
+            "engine",
+            f"max_num_seqs {base.roles.main_decode.engine.max_num_seqs}, chunk budget "
+            f"{base.roles.prefill.engine.max_num_batched_tokens}, block {base.model.block_size}",
+            "vLLM defaults for H100/H200; vLLM's V4 block size",
+        ),
+        (
+            "WAN",
+            f"{wan_link_gbps(base):g} Gb/s, {wan.rtt_ms:g} ms RTT, lognormal jitter {wan.jitter.mean_ms:g} ms, "
+            f"stall p={wan.stall.probability:g} x {wan.stall.duration_ms:g} ms",
+            "--wan-gbps, a sensitivity run (the config's value is the assumption: tens of Gb/s)"
+            if wan_from_option
+            else "assumption: tens of Gb/s, below the paper's >180 Gb/s raw need",
+        ),
+        (
+            "routing / handoff",
+            f"P-MD when WAN <= one of {', '.join(f'{t:g}' for t in THRESHOLDS_MS)} ms (best); "
+            f"{base.handoff.mode.value}, relay cap one of {', '.join(str(c) for c in RELAY_CAPS)} tokens (best)",
+            "config and policy defaults",
+        ),
+        (
+            "SLO",
+            f"p{base.slo.percentile:g}: TTFT <= {base.slo.ttft_ms / 1000:g} s, TPOT <= {base.slo.tpot_ms:g} ms, gap <= {base.slo.max_gap_ms / 1000:g} s",
+            "paper's TTFT P90s near 10 s; DeepSeek's ~20 tokens/s per user; gap: assumption",
+        ),
+        (
+            "runs",
+            f"{'cold' if not t.warm_start else 'warm'} start, {t.warmup_s:g} s of traffic, then {t.window_s:g} s measured, at every load",
+            "twin: warm, a cluster already serving the conversations under way; 450 s lets a slowly growing WAN backlog show",
+        ),
+        (
+            "workload",
+            f"sessions of {w.turns_min}-{w.turns_max} turns; first prompt median "
+            f"{w.first_prompt_median:,}, window {w.max_context_tokens:,}; output median {w.output_median}; think "
+            f"{w.think_time_min_s:g}+exp({w.think_time_mean_s:g}) s",
+            "PDD.md: 64K context, ~90% hit; TraceLab: ~523 output tokens per step",
+        ),
     ]
 
 
@@ -144,8 +190,10 @@ def _roles(base: PDDConfig, p: int, p_group: str, d: int, d_group: str, d_role: 
     rc = base.roles
     d_engine = rc.main_decode.engine.model_copy(update={"tensor_parallel_size": int(base.node_groups[d_group].num_gpus)})
     p_engine = rc.prefill.engine.model_copy(update={"tensor_parallel_size": int(base.node_groups[p_group].num_gpus)})
-    out = {"prefill": rc.prefill.model_copy(update={"node_group": p_group, "replicas": p, "engine": p_engine}),
-           d_role: rc.main_decode.model_copy(update={"node_group": d_group, "replicas": d, "engine": d_engine})}
+    out = {
+        "prefill": rc.prefill.model_copy(update={"node_group": p_group, "replicas": p, "engine": p_engine}),
+        d_role: rc.main_decode.model_copy(update={"node_group": d_group, "replicas": d, "engine": d_engine}),
+    }
     if relay:
         out["relay_decode"] = rc.relay_decode.model_copy(update={"replicas": relay})
     return Roles(**out)
@@ -202,7 +250,7 @@ def best_split(name: str, counts: range, make, t: TimedTraffic) -> tuple[PDDConf
                 hi = m2 - 1
             else:
                 lo, hi = m1, m2
-        best = max(valid[lo:hi + 1], key=rps)
+        best = max(valid[lo : hi + 1], key=rps)
     return make(best), seen[best]
 
 
@@ -219,8 +267,9 @@ def best_of(candidates: dict[str, PDDConfig], t: TimedTraffic, lo: float, incumb
     """The candidate sustaining the highest RPS in SLA (seed 0), `incumbent` (already searched) first; on a tie the first."""
     labels = list(candidates)
     with progress.steps(console, "candidates", len(labels)) as step:
-        results = t.searches([(candidates[label], 0, max(lo, 1.0)) for label in labels],
-                             on_done=lambda i, r: step(labels[i].strip(), f"  {labels[i]}: {r.rps:6.2f} RPS in SLA"))
+        results = t.searches(
+            [(candidates[label], 0, max(lo, 1.0)) for label in labels], on_done=lambda i, r: step(labels[i].strip(), f"  {labels[i]}: {r.rps:6.2f} RPS in SLA")
+        )
     found = ([incumbent] if incumbent else []) + [(candidates[label], r.rps) for label, r in zip(labels, results)]
     return max(found, key=lambda x: x[1])
 
@@ -291,13 +340,22 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     """The run-length, fleet-scale and output options this bench shares with paper_crossover (`timed_traffic`)."""
     ap.add_argument("--warmup-s", type=float, default=WARMUP_S, help="simulated seconds of traffic before the measured window")
     ap.add_argument("--window-s", type=float, default=300.0, help="simulated seconds measured per run")
-    ap.add_argument("--cold-start", action="store_true",
-                    help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)")
+    ap.add_argument(
+        "--cold-start", action="store_true", help="start every run with cold prefix caches instead of warm ones (then give it a --warmup-s of 1800 or more)"
+    )
     ap.add_argument("--scale", type=int, default=25, help="H100 replicas (16 GPUs each) of the intra-DC baseline")
-    ap.add_argument("--wan-gbps", type=float, default=None,
-                    help="the A <-> B link's bandwidth in Gb/s (default: the config's 40, an assumption): to see how much of a gap the WAN makes")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="processes for the searches and runs that do not wait on each other (default: every CPU); the figures are the same for any number")
+    ap.add_argument(
+        "--wan-gbps",
+        type=float,
+        default=None,
+        help="the A <-> B link's bandwidth in Gb/s (default: the config's 40, an assumption): to see how much of a gap the WAN makes",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes for the searches and runs that do not wait on each other (default: every CPU); the figures are the same for any number",
+    )
     ap.add_argument("--json", dest="json_path")
 
 
@@ -341,9 +399,13 @@ def main() -> None:
         params.add_column(col)
     for row in parameters(base, t, wan_from_option=a.wan_gbps is not None):
         params.add_row(*row)
-    params.add_row("workload as generated", f"mean prompt {realized['mean_prompt_tokens']:,.0f}, mean output {realized['mean_output_tokens']:,.0f} "
-                   f"tokens, mean hit {realized['mean_hit']:.1%}, {realized['share_hit_over_95']:.0%} of turns > 95%, "
-                   f"{realized['share_hit_under_50']:.1%} < 50%", "this run")
+    params.add_row(
+        "workload as generated",
+        f"mean prompt {realized['mean_prompt_tokens']:,.0f}, mean output {realized['mean_output_tokens']:,.0f} "
+        f"tokens, mean hit {realized['mean_hit']:.1%}, {realized['share_hit_over_95']:.0%} of turns > 95%, "
+        f"{realized['share_hit_under_50']:.1%} < 50%",
+        "this run",
+    )
     console.print(params)
 
     # ---- fleets and splits, chosen on the first seed ---------------------------------------
@@ -358,23 +420,33 @@ def main() -> None:
     chosen["naive cross-DC"] = derive(chosen["PDD"], mode=Mode.pd_cross_dc_naive)
     known["naive cross-DC"] = 0.25 * known["PDD"]
     systems = list(chosen)
-    console.print(f"intra-DC H100 budget ${intra_budget:,.0f}/h; PDD ${pdd_cost:,.0f}/h "
-                  f"(threshold {chosen['PDD'].routing.max_wan_transfer_ms:g} ms, relay cap {chosen['PDD'].handoff.relay_cap_tokens})")
+    console.print(
+        f"intra-DC H100 budget ${intra_budget:,.0f}/h; PDD ${pdd_cost:,.0f}/h "
+        f"(threshold {chosen['PDD'].routing.max_wan_transfer_ms:g} ms, relay cap {chosen['PDD'].handoff.relay_cap_tokens})"
+    )
 
     # ---- per seed: RPS in SLA, then TTFT at each system's peak and at naive's --------------------
     per_seed: list[dict[str, dict[str, float]]] = [{} for _ in range(a.seeds)]
     searches = [(seed, name) for seed in range(a.seeds) for name in systems]
     with progress.steps(console, "RPS in SLA per seed", len(searches)) as step:
-        found_all = t.searches([(chosen[name], seed, max(1.0, 0.6 * known[name])) for seed, name in searches],
-                               on_done=lambda i, r: step(f"seed {searches[i][0]} {searches[i][1]}",
-                                                         f"  seed {searches[i][0]} {searches[i][1]}: {r.rps:.2f} RPS in SLA"))
+        found_all = t.searches(
+            [(chosen[name], seed, max(1.0, 0.6 * known[name])) for seed, name in searches],
+            on_done=lambda i, r: step(f"seed {searches[i][0]} {searches[i][1]}", f"  seed {searches[i][0]} {searches[i][1]}: {r.rps:.2f} RPS in SLA"),
+        )
     for (seed, name), found in zip(searches, found_all):
         c = chosen[name]
         figs = per_seed[seed][name] = {"rps": found.rps, "cost": cost_per_hour(c), "bcr": found.rps / cost_per_hour(c)}
         s = found.summary
         if s is not None:
-            figs.update(ttft50=s.ttft_s[0], ttft90=s.ttft_s[1], ttft99=s.ttft_s[2], relay_share=s.relay_share,
-                        wan_gbps_peak=s.wan_gbps, tpot90=s.tpot_s[1], gap99=s.gap_s[2])
+            figs.update(
+                ttft50=s.ttft_s[0],
+                ttft90=s.ttft_s[1],
+                ttft99=s.ttft_s[2],
+                relay_share=s.relay_share,
+                wan_gbps_peak=s.wan_gbps,
+                tpot90=s.tpot_s[1],
+                gap99=s.gap_s[2],
+            )
     # then each seed's runs at a common load: the lower of PDD's and intra-DC's, and naive's
     runs = []
     for seed, figs in enumerate(per_seed):
@@ -382,8 +454,9 @@ def main() -> None:
         runs += [(seed, name, "common", common) for name in ("PDD", "intra-DC H100")]
         runs += [(seed, name, "naive", figs["naive cross-DC"]["rps"]) for name in ("PDD", "naive cross-DC")]
     with progress.steps(console, "runs at common loads", len(runs)) as step:
-        summaries = t.summaries([(chosen[name], rps, seed) for seed, name, _, rps in runs],
-                                on_done=lambda i, _: step(f"seed {runs[i][0]} {runs[i][1]} at {runs[i][2]} load"))
+        summaries = t.summaries(
+            [(chosen[name], rps, seed) for seed, name, _, rps in runs], on_done=lambda i, _: step(f"seed {runs[i][0]} {runs[i][1]} at {runs[i][2]} load")
+        )
     for (seed, name, load, rps), s in zip(runs, summaries):
         figs = per_seed[seed][name]
         figs.update({f"{load}_ttft50": s.ttft_s[0], f"{load}_ttft90": s.ttft_s[1], f"{load}_ttft99": s.ttft_s[2], f"load_{load}": rps})
@@ -405,15 +478,32 @@ def main() -> None:
     }
     explain(med, chosen, checks, notes)
 
-    rows = [{"system": n, "fleet": fleet(chosen[n]), "threshold_ms": chosen[n].routing.max_wan_transfer_ms,
-             "relay_cap_tokens": chosen[n].handoff.relay_cap_tokens, **med[n]} for n in systems]
-    summary = {"seeds": a.seeds, "warmup_s": a.warmup_s, "window_s": a.window_s, "scale": a.scale,
-               "wan_link_gbps": wan_link_gbps(base), "workload": realized, "systems": rows,
-               "checks": checks, "notes": notes,
-               "paper_directions_matched": sum(c["match"] for c in checks if c["paper_baseline"]),
-               "paper_directions_total": sum(c["paper_baseline"] for c in checks),
-               "directions_matched": sum(c["match"] for c in checks), "directions_total": len(checks),
-               "wall_s": time.perf_counter() - t0}
+    rows = [
+        {
+            "system": n,
+            "fleet": fleet(chosen[n]),
+            "threshold_ms": chosen[n].routing.max_wan_transfer_ms,
+            "relay_cap_tokens": chosen[n].handoff.relay_cap_tokens,
+            **med[n],
+        }
+        for n in systems
+    ]
+    summary = {
+        "seeds": a.seeds,
+        "warmup_s": a.warmup_s,
+        "window_s": a.window_s,
+        "scale": a.scale,
+        "wan_link_gbps": wan_link_gbps(base),
+        "workload": realized,
+        "systems": rows,
+        "checks": checks,
+        "notes": notes,
+        "paper_directions_matched": sum(c["match"] for c in checks if c["paper_baseline"]),
+        "paper_directions_total": sum(c["paper_baseline"] for c in checks),
+        "directions_matched": sum(c["match"] for c in checks),
+        "directions_total": len(checks),
+        "wall_s": time.perf_counter() - t0,
+    }
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
@@ -428,8 +518,12 @@ def main() -> None:
         axes[0].set_xlabel("ratio (PDD / baseline)")
         axes[0].legend()
         for i, name in enumerate(("PDD", "intra-DC H100")):
-            axes[1].bar([k + i * 0.4 for k in range(3)], [med[name].get(f"ttft{q}", float("nan")) for q in (50, 90, 99)],
-                        width=0.4, label=f"{name} @ {med[name]['rps']:.1f} RPS")
+            axes[1].bar(
+                [k + i * 0.4 for k in range(3)],
+                [med[name].get(f"ttft{q}", float("nan")) for q in (50, 90, 99)],
+                width=0.4,
+                label=f"{name} @ {med[name]['rps']:.1f} RPS",
+            )
         axes[1].set_xticks([0.2, 1.2, 2.2], ["p50", "p90", "p99"])
         axes[1].set_ylabel("TTFT (s) at each system's peak RPS in SLA")
         axes[1].legend()
@@ -457,26 +551,68 @@ def show_tables(med: dict, chosen: dict) -> None:
     def gpu_line(n: str) -> str:
         return " + ".join(f"{v} {k}" for k, v in g[n].items())
 
-    t.add_row("fleet", "43 A + 32 B GPUs", fleet(chosen["PDD"]), "", fleet(chosen["intra-DC H100"]), fleet(chosen["intra-DC H200"]), "",
-              fleet(chosen["naive cross-DC"]))
+    t.add_row(
+        "fleet",
+        "43 A + 32 B GPUs",
+        fleet(chosen["PDD"]),
+        "",
+        fleet(chosen["intra-DC H100"]),
+        fleet(chosen["intra-DC H200"]),
+        "",
+        fleet(chosen["naive cross-DC"]),
+    )
     t.add_row("GPUs", "75", gpu_line("PDD"), "", gpu_line("intra-DC H100"), gpu_line("intra-DC H200"), "", gpu_line("naive cross-DC"))
     t.add_row("RPS in SLA", f"{p['pdd_rps']}", f"{pd['rps']:.2f}", f"{p['intra_rps']}", f"{ih['rps']:.2f}", f"{i2['rps']:.2f}", "", f"{nv['rps']:.2f}")
     t.add_row("cost ($/h)", "-3.5..-7.1% vs intra", f"{pd['cost']:,.0f}", "", f"{ih['cost']:,.0f}", f"{i2['cost']:,.0f}", "", f"{nv['cost']:,.0f}")
-    t.add_row("BCR (RPS per $1000/h)", "+32.4..37.5% vs intra", f"{pd['bcr'] * 1000:.2f}", "", f"{ih['bcr'] * 1000:.2f}", f"{i2['bcr'] * 1000:.2f}", "",
-              f"{nv['bcr'] * 1000:.2f}")
+    t.add_row(
+        "BCR (RPS per $1000/h)",
+        "+32.4..37.5% vs intra",
+        f"{pd['bcr'] * 1000:.2f}",
+        "",
+        f"{ih['bcr'] * 1000:.2f}",
+        f"{i2['bcr'] * 1000:.2f}",
+        "",
+        f"{nv['bcr'] * 1000:.2f}",
+    )
     for i, q in enumerate((50, 90, 99)):
-        t.add_row(f"TTFT p{q} (s) at own peak", f"{p['pdd_ttft'][i]}", f"{pd.get(f'ttft{q}', float('nan')):.2f}", f"{p['intra_ttft'][i]}",
-                  f"{ih.get(f'ttft{q}', float('nan')):.2f}", f"{i2.get(f'ttft{q}', float('nan')):.2f}", "", "")
+        t.add_row(
+            f"TTFT p{q} (s) at own peak",
+            f"{p['pdd_ttft'][i]}",
+            f"{pd.get(f'ttft{q}', float('nan')):.2f}",
+            f"{p['intra_ttft'][i]}",
+            f"{ih.get(f'ttft{q}', float('nan')):.2f}",
+            f"{i2.get(f'ttft{q}', float('nan')):.2f}",
+            "",
+            "",
+        )
     cl = pd["load_common"]
-    for i, q in enumerate((50, 90, 99)):
+    for q in (50, 90, 99):
         t.add_row(f"  (same: TTFT p{q} @ {cl:.1f} RPS)", "", f"{pd[f'common_ttft{q}']:.2f}", "", f"{ih[f'common_ttft{q}']:.2f}", "", "", "")
     nl = nv["load_naive"]
     for i, q in enumerate((50, 90, 99)):
-        t.add_row(f"TTFT p{q} (s) @ {nl:.1f} RPS", f"{p['pdd_ttft'][i]}", f"{pd[f'naive_ttft{q}']:.2f}", "", "", "", f"{p['naive_ttft'][i]}",
-                  f"{nv[f'naive_ttft{q}']:.2f}")
-    t.add_row(f"WAN (Gb/s) @ {nl:.1f} RPS", f"~1/{p['wan_cut']:g} of raw", f"{pd['wan_gbps']:.1f}", "", "0", "0", f"raw > {p['raw_wan_gbps']:g}",
-              f"{nv['wan_gbps']:.1f}")
-    t.add_row("WAN demand (Gb/s) at own peak", "", f"{pd.get('wan_gbps_peak', float('nan')):.1f}", "", "", "", "", f"{nv.get('wan_gbps_peak', float('nan')):.1f}")
+        t.add_row(
+            f"TTFT p{q} (s) @ {nl:.1f} RPS",
+            f"{p['pdd_ttft'][i]}",
+            f"{pd[f'naive_ttft{q}']:.2f}",
+            "",
+            "",
+            "",
+            f"{p['naive_ttft'][i]}",
+            f"{nv[f'naive_ttft{q}']:.2f}",
+        )
+    t.add_row(
+        f"WAN (Gb/s) @ {nl:.1f} RPS",
+        f"~1/{p['wan_cut']:g} of raw",
+        f"{pd['wan_gbps']:.1f}",
+        "",
+        "0",
+        "0",
+        f"raw > {p['raw_wan_gbps']:g}",
+        f"{nv['wan_gbps']:.1f}",
+    )
+    t.add_row(
+        "WAN demand (Gb/s) at own peak", "", f"{pd.get('wan_gbps_peak', float('nan')):.1f}", "", "", "", "", f"{nv.get('wan_gbps_peak', float('nan')):.1f}"
+    )
     t.add_row("relay share of tokens", f"~{p['relay_share']:.0%}", f"{pd.get('relay_share', float('nan')):.1%}", "", "", "", "", "")
     console.print(t)
 
@@ -511,20 +647,27 @@ def show_checks(checks: list[dict]) -> None:
     for col in ("comparison", "paper's baseline", "paper", "twin", "same direction", "gap (twin - paper)"):
         t.add_column(col, justify="right")
     for c in checks:
-        t.add_row(c["comparison"], "yes" if c["paper_baseline"] else "extra", f"{c['paper']:.3f}", f"{c['twin']:.3f}",
-                  "yes" if c["match"] else "[red]NO[/red]", f"{c['twin'] - c['paper']:+.3f}")
+        t.add_row(
+            c["comparison"],
+            "yes" if c["paper_baseline"] else "extra",
+            f"{c['paper']:.3f}",
+            f"{c['twin']:.3f}",
+            "yes" if c["match"] else "[red]NO[/red]",
+            f"{c['twin'] - c['paper']:+.3f}",
+        )
     console.print(t)
     ours = [c for c in checks if c["paper_baseline"]]
-    console.print(f"{sum(c['match'] for c in ours)} of {len(ours)} comparisons against the paper's baselines point the paper's way; "
-                  f"{sum(c['match'] for c in checks)} of {len(checks)} with the extra H200-only baseline")
+    console.print(
+        f"{sum(c['match'] for c in ours)} of {len(ours)} comparisons against the paper's baselines point the paper's way; "
+        f"{sum(c['match'] for c in checks)} of {len(checks)} with the extra H200-only baseline"
+    )
 
 
 def explain(med: dict, chosen: dict, checks: list[dict], notes: dict) -> None:
     """Why the gaps are what they are, from the run's own figures."""
-    pd, ih = med["PDD"], med["intra-DC H100"]
     share = notes["decode_share_of_cost"]
     lines = [
-        f"cost: by construction (PDD's fleet is sized 3.5-7.1% below each baseline's, the paper's reported saving).",
+        "cost: by construction (PDD's fleet is sized 3.5-7.1% below each baseline's, the paper's reported saving).",
         f"relay: one {fleet_of(chosen['PDD'], 'relay_decode')} replica is {notes['relay_share_of_cost']:.1%} of PDD's cost "
         f"(paper: 3 of 75 GPUs, 4%) and produced {notes['relay_share_of_tokens']:.1%} of the tokens (paper ~6%).",
         f"decode is {share['PDD']:.0%} of PDD's cost and {share['intra-DC H100']:.0%} of the H100 baseline's "
@@ -546,19 +689,23 @@ def prefill_line(med: dict, chosen: dict, notes: dict) -> str:
     p = {n: chosen[n].roles.prefill.replicas for n in ("PDD", "intra-DC H100")}
     per = {n: med[n]["rps"] / p[n] for n in p}
     share = notes["decode_share_of_cost"]
-    return (f"prefill: {per['PDD']:.2f} RPS in SLA per prefill replica for PDD ({p['PDD']} P), {per['intra-DC H100']:.2f} for intra-DC "
-            f"({p['intra-DC H100']} P): their RPS ratio is {p['PDD'] / p['intra-DC H100']:.3f} x {per['PDD'] / per['intra-DC H100']:.3f}. "
-            f"PDD's relay and main decoders take {notes['relay_share_of_cost'] + share['PDD']:.0%} of its cost, intra-DC's decoders "
-            f"{share['intra-DC H100']:.0%}: PDD gets more prefill per dollar only where its decoders cost less than the baseline's.")
+    return (
+        f"prefill: {per['PDD']:.2f} RPS in SLA per prefill replica for PDD ({p['PDD']} P), {per['intra-DC H100']:.2f} for intra-DC "
+        f"({p['intra-DC H100']} P): their RPS ratio is {p['PDD'] / p['intra-DC H100']:.3f} x {per['PDD'] / per['intra-DC H100']:.3f}. "
+        f"PDD's relay and main decoders take {notes['relay_share_of_cost'] + share['PDD']:.0%} of its cost, intra-DC's decoders "
+        f"{share['intra-DC H100']:.0%}: PDD gets more prefill per dollar only where its decoders cost less than the baseline's."
+    )
 
 
 def wan_line(med: dict, chosen: dict) -> str:
     """How full PDD's WAN is at its peak: every turn's context that its main decoder lacks crosses it."""
     used = med["PDD"].get("wan_gbps_peak", float("nan"))
     link = wan_link_gbps(chosen["PDD"])
-    return (f"WAN: at its peak PDD's turns ask for {used:.1f} Gb/s of KV over the {link:g} Gb/s link ({used / link:.0%}; above 100%, "
-            f"a backlog grows through the window): what its main decoders lack crosses it; intra-DC PD sends nothing over it. "
-            f"Near a full WAN, PDD's turns wait for their context to arrive.")
+    return (
+        f"WAN: at its peak PDD's turns ask for {used:.1f} Gb/s of KV over the {link:g} Gb/s link ({used / link:.0%}; above 100%, "
+        f"a backlog grows through the window): what its main decoders lack crosses it; intra-DC PD sends nothing over it. "
+        f"Near a full WAN, PDD's turns wait for their context to arrive."
+    )
 
 
 def fleet_of(c: PDDConfig, role: str) -> str:

@@ -55,10 +55,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from app.faults import Faults
 from app import progress
 from app.config import PDDConfig
 from app.config_file import parse_config
+from app.faults import Faults
 from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
@@ -88,10 +88,16 @@ def write_steps(path: Path, journeys: list[dict], config: PDDConfig) -> None:
     and their KV pulls inside a datacenter (`kv_pulls`)."""
     steps = take_app_steps("pipelines")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
-                                "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)],
-                                "decoder_request_overheads": decoder_request_overheads(journeys),
-                                "kv_pulls": [sample._asdict() for sample in kv_pulls(journeys, config)]}))
+    path.write_text(
+        json.dumps(
+            {
+                "roles": {role.value: [s.__dict__ for s in samples] for role, samples in steps.items()},
+                "serving_overheads": [sample._asdict() for sample in serving_overheads(journeys)],
+                "decoder_request_overheads": decoder_request_overheads(journeys),
+                "kv_pulls": [sample._asdict() for sample in kv_pulls(journeys, config)],
+            }
+        )
+    )
 
 
 def journeys_path(mode: str) -> Path:
@@ -155,7 +161,11 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
             # prompt, taken from the engines under test while it blocks this event loop, so
             # every other stream's next token reaches the client late)
             stream = await client.completions.create(
-                model="pdd-dev", prompt="", max_tokens=r.output_tokens, temperature=0, stream=True,
+                model="pdd-dev",
+                prompt="",
+                max_tokens=r.output_tokens,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"prompt": prompt, "ignore_eos": True, "pdd_mode": mode, "return_token_ids": True},
             )
@@ -235,8 +245,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--rps", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--calibration-requests", type=int, default=None,
-                    help="requests of the calibration replay before each mode's run (default: as many as --requests; 0: none)")
+    ap.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=None,
+        help="requests of the calibration replay before each mode's run (default: as many as --requests; 0: none)",
+    )
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
     ap.add_argument("--json", dest="json_path")
@@ -249,15 +263,19 @@ def main() -> None:
     config = parse_config(args)
     trace = list(workload(a.requests, a.rps, a.seed).generate())
     hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
-    console.print(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
-                  f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
-                  f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included)")
+    console.print(
+        f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
+        f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
+        f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included)"
+    )
 
     calibration = []
     if a.calibration_requests:  # at the run's own rate of requests
         calibration = calibration_trace(a.calibration_requests, a.rps, a.seed + 1000, trace[-1].arrival_s * a.calibration_requests / len(trace))
-        console.print(f"calibration trace: {len(calibration)} requests in {len({r.session for r in calibration})} sessions over "
-                      f"{calibration[-1].arrival_s:.0f} s (seed {a.seed + 1000}, arrivals scaled to the run's rate)")
+        console.print(
+            f"calibration trace: {len(calibration)} requests in {len({r.session for r in calibration})} sessions over "
+            f"{calibration[-1].arrival_s:.0f} s (seed {a.seed + 1000}, arrivals scaled to the run's rate)"
+        )
 
     results: dict[str, LoadResult] = {}
     wan: dict[str, int] = {}
@@ -293,33 +311,60 @@ def main() -> None:
     rows, summary_rows = [], {}
     for mode, r in results.items():
         summary_rows[mode] = {
-            "ttft_p50": r.ttft_ms(50), "ttft_p90": r.ttft_ms(90), "ttft_p99": r.ttft_ms(99),
-            "tpot_p50": r.tpot_ms(50), "gap_p50": r.gap_ms(50), "gap_p99": r.gap_ms(99),
-            "wait_p99": worst_wait_ms(r, 99), "wan_mb": wan[mode] / 1e6, "failed": len(r.records) - len(r.ok),
+            "ttft_p50": r.ttft_ms(50),
+            "ttft_p90": r.ttft_ms(90),
+            "ttft_p99": r.ttft_ms(99),
+            "tpot_p50": r.tpot_ms(50),
+            "gap_p50": r.gap_ms(50),
+            "gap_p99": r.gap_ms(99),
+            "wait_p99": worst_wait_ms(r, 99),
+            "wan_mb": wan[mode] / 1e6,
+            "failed": len(r.records) - len(r.ok),
             "serving_overhead_p50": percentile([x for j in journeys[mode] if (x := serving_overhead_ms(j)) is not None], 50),
         }
         for rec, j in zip(r.records, journeys[mode]):
             decision = j.get("decision") or {}
-            rows.append({
-                "mode": mode, "pipeline": j.get("pipeline"), "prompt_tokens": j.get("prompt_tokens"),
-                "ttft_ms": rec.ttft_s * 1000, "server_ttft_ms": j.get("ttft_ms"), "serving_overhead_ms": serving_overhead_ms(j), "max_gap_ms": rec.max_gap_s * 1000, "tpot_ms": rec.tpot_s * 1000, "tokens": rec.completion_tokens,
-                "md_hit_estimate": decision.get("md_hit_estimate"), "expected_wan_ms": decision.get("expected_wan_ms"),
-                "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
-                "handoff_latency_ms": (j.get("handoff") or {}).get("latency_ms"),
-                "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN), "error": rec.error or "",
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "pipeline": j.get("pipeline"),
+                    "prompt_tokens": j.get("prompt_tokens"),
+                    "ttft_ms": rec.ttft_s * 1000,
+                    "server_ttft_ms": j.get("ttft_ms"),
+                    "serving_overhead_ms": serving_overhead_ms(j),
+                    "max_gap_ms": rec.max_gap_s * 1000,
+                    "tpot_ms": rec.tpot_s * 1000,
+                    "tokens": rec.completion_tokens,
+                    "md_hit_estimate": decision.get("md_hit_estimate"),
+                    "expected_wan_ms": decision.get("expected_wan_ms"),
+                    "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
+                    "handoff_latency_ms": (j.get("handoff") or {}).get("latency_ms"),
+                    "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN),
+                    "error": rec.error or "",
+                }
+            )
 
     table = Table(title=f"pipelines on real engines: {len(trace)} agentic requests at {a.rps} req/s, same trace per mode, cold caches")
     for col in ("mode", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):
         table.add_column(col, justify="right")
     for mode, s in summary_rows.items():
-        table.add_row(mode, *(f"{s[k]:.0f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99")), f"{s['tpot_p50']:.1f}",
-                      f"{s['gap_p50']:.0f}", f"{s['gap_p99']:.0f}", f"{s['wait_p99']:.0f}", f"{s['wan_mb']:.1f}", str(s["failed"]),
-                      " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())))
+        table.add_row(
+            mode,
+            *(f"{s[k]:.0f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99")),
+            f"{s['tpot_p50']:.1f}",
+            f"{s['gap_p50']:.0f}",
+            f"{s['gap_p99']:.0f}",
+            f"{s['wait_p99']:.0f}",
+            f"{s['wan_mb']:.1f}",
+            str(s["failed"]),
+            " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())),
+        )
     console.print(table)
     console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
-    console.print("serving overhead p50 (TTFT at the conductor outside the engines' cores): "
-                  + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items()))
+    console.print(
+        "serving overhead p50 (TTFT at the conductor outside the engines' cores): "
+        + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items())
+    )
 
     summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}
     if {"pdd", "pd_intra_dc", "pd_cross_dc_naive"} <= set(summary_rows):

@@ -109,8 +109,11 @@ def run_setting(prefill_relays: bool, a: argparse.Namespace, journeys: dict[str,
         # a serving app: the conductor has found every role's replicas before the first kill
         warm = random.Random(-1)
         for _ in range(2):
-            httpx.post(f"{app.base_url}/v1/completions", timeout=300, json={
-                "model": "pdd-dev", "prompt": [warm.randrange(10, 500) for _ in range(2000)], "max_tokens": 16, "temperature": 0}).raise_for_status()
+            httpx.post(
+                f"{app.base_url}/v1/completions",
+                timeout=300,
+                json={"model": "pdd-dev", "prompt": [warm.randrange(10, 500) for _ in range(2000)], "max_tokens": 16, "temperature": 0},
+            ).raise_for_status()
         faults = Faults(APP, seed=0)
         for r in range(a.rounds):
             wait_relay_back()
@@ -119,7 +122,7 @@ def run_setting(prefill_relays: bool, a: argparse.Namespace, journeys: dict[str,
             killed_at = time.monotonic()
             got: list[dict] = []
 
-            async def window() -> float:
+            async def window(killed_at: float = killed_at, r: int = r, got: list[dict] = got) -> float:
                 stop_at = killed_at + a.window
                 watch = asyncio.create_task(replaced_after(killed_at))
                 await asyncio.gather(*(client(app.base_url, stop_at, random.Random(1000 * r + i), got) for i in range(a.clients)))
@@ -130,8 +133,13 @@ def run_setting(prefill_relays: bool, a: argparse.Namespace, journeys: dict[str,
             for rec in got:
                 journey = httpx.get(f"{app.base_url}/pdd/requests/{rec['id']}", timeout=30).json() if rec["id"] else {}
                 sources = journey.get("token_sources") or []
-                rec.update(setting="P relays" if prefill_relays else "P-MD", round=r + 1, relay_back_s=back_s, pipeline=journey.get("pipeline", "?"),
-                           prefill_tokens=sum(n for role, n in sources if role == "prefill"))
+                rec.update(
+                    setting="P relays" if prefill_relays else "P-MD",
+                    round=r + 1,
+                    relay_back_s=back_s,
+                    pipeline=journey.get("pipeline", "?"),
+                    prefill_tokens=sum(n for role, n in sources if role == "prefill"),
+                )
                 journeys[rec["id"]] = journey
             records += got
     return records
@@ -143,10 +151,14 @@ def summarize(records: list[dict]) -> dict:
     ttft = [r["ttft_s"] * 1000 for r in done]
     return {
         "relay_back_s": median([back for _, back in {(r["round"], r["relay_back_s"]) for r in records}]),
-        "requests": len(records), "completed": len(done),
+        "requests": len(records),
+        "completed": len(done),
         "pipelines": dict(Counter(r["pipeline"] for r in records).most_common()),
-        "worst_gap_p50_ms": median(gaps), "worst_gap_p90_ms": percentile(gaps, 90) if gaps else float("nan"), "worst_gap_max_ms": max(gaps, default=float("nan")),
-        "ttft_p50_ms": median(ttft), "ttft_p90_ms": percentile(ttft, 90) if ttft else float("nan"),
+        "worst_gap_p50_ms": median(gaps),
+        "worst_gap_p90_ms": percentile(gaps, 90) if gaps else float("nan"),
+        "worst_gap_max_ms": max(gaps, default=float("nan")),
+        "ttft_p50_ms": median(ttft),
+        "ttft_p90_ms": percentile(ttft, 90) if ttft else float("nan"),
     }
 
 
@@ -166,12 +178,27 @@ def main() -> None:
     for col in ("routing.prefill_relays", "requests", "completed", "pipelines", "worst gap p50 / p90 / max ms", "TTFT p50 / p90 ms", "relay back after s"):
         table.add_column(col, justify="left" if col in ("routing.prefill_relays", "pipelines") else "right")
     for name, s in (("false (P-MD)", base), ("true (P-P-MD)", relays)):
-        table.add_row(name, str(s["requests"]), str(s["completed"]), ", ".join(f"{p} {n}" for p, n in s["pipelines"].items()),
-                      f"{s['worst_gap_p50_ms']:.0f} / {s['worst_gap_p90_ms']:.0f} / {s['worst_gap_max_ms']:.0f}", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f}",
-                      f"{s['relay_back_s']:.0f}")
-    ratio = {k: relays[k] / base[k] for k in ("worst_gap_p50_ms", "worst_gap_p90_ms", "worst_gap_max_ms", "ttft_p50_ms", "ttft_p90_ms", "relay_back_s") if base[k]}
-    table.add_row("ratio true / false", "", "", "", " / ".join(f"{ratio.get(k, float('nan')):.2f}x" for k in ("worst_gap_p50_ms", "worst_gap_p90_ms", "worst_gap_max_ms")),
-                  " / ".join(f"{ratio.get(k, float('nan')):.2f}x" for k in ("ttft_p50_ms", "ttft_p90_ms")), f"{ratio.get('relay_back_s', float('nan')):.2f}x")
+        table.add_row(
+            name,
+            str(s["requests"]),
+            str(s["completed"]),
+            ", ".join(f"{p} {n}" for p, n in s["pipelines"].items()),
+            f"{s['worst_gap_p50_ms']:.0f} / {s['worst_gap_p90_ms']:.0f} / {s['worst_gap_max_ms']:.0f}",
+            f"{s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f}",
+            f"{s['relay_back_s']:.0f}",
+        )
+    ratio = {
+        k: relays[k] / base[k] for k in ("worst_gap_p50_ms", "worst_gap_p90_ms", "worst_gap_max_ms", "ttft_p50_ms", "ttft_p90_ms", "relay_back_s") if base[k]
+    }
+    table.add_row(
+        "ratio true / false",
+        "",
+        "",
+        "",
+        " / ".join(f"{ratio.get(k, float('nan')):.2f}x" for k in ("worst_gap_p50_ms", "worst_gap_p90_ms", "worst_gap_max_ms")),
+        " / ".join(f"{ratio.get(k, float('nan')):.2f}x" for k in ("ttft_p50_ms", "ttft_p90_ms")),
+        f"{ratio.get('relay_back_s', float('nan')):.2f}x",
+    )
     console.print(table)
 
     def plot(path: Path) -> None:

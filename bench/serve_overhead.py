@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import PDDConfig, RoleName
-from bench.common import LocalApp, LoadResult, free_port, median, run_load, wait_http, write_outputs
+from bench.common import LoadResult, LocalApp, free_port, median, run_load, wait_http, write_outputs
 from tests.conftest import local_args, on_one_gpu
 
 console = Console(width=140)
@@ -62,12 +62,31 @@ def vllm_server(args: dict, port: int) -> tuple[list[str], dict[str, str]]:
     config = PDDConfig.model_validate(args)
     e = engine_args(config, RoleName.main_decode)
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", e.model, "--served-model-name", config.model.served_name,
-        "--dtype", e.dtype, "--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len),
-        "--enforce-eager", "--enable-prefix-caching", "--max-num-seqs", str(e.max_num_seqs),
-        "--load-format", e.load_format, "--gpu-memory-utilization", str(e.gpu_memory_utilization),
-        "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        e.model,
+        "--served-model-name",
+        config.model.served_name,
+        "--dtype",
+        e.dtype,
+        "--block-size",
+        str(e.block_size),
+        "--max-model-len",
+        str(e.max_model_len),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--load-format",
+        e.load_format,
+        "--gpu-memory-utilization",
+        str(e.gpu_memory_utilization),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
     env = {name: value for name, value in engine_env(config, RoleName.main_decode, os.environ).items() if value is not None}
     return cmd, env
@@ -93,10 +112,11 @@ def main() -> None:
     cmd, vllm_env = vllm_server(args, vllm_port)
     config = PDDConfig.model_validate(args)
     model, engine = config.model, config.roles.main_decode.engine
-    console.print(f"each side: one engine, {model.source} ({model.dtype}), enforce_eager, prefix caching, "
-                  f"max_num_seqs {engine.max_num_seqs}; engine environment {' '.join(f'{k}={v}' for k, v in sorted(vllm_env.items()))}")
-    console.print("pdd-serve: Ray Serve ingress -> conductor -> token channel -> engine replica; vLLM: its OpenAI server, "
-                  f"{' '.join(cmd[3:])}")
+    console.print(
+        f"each side: one engine, {model.source} ({model.dtype}), enforce_eager, prefix caching, "
+        f"max_num_seqs {engine.max_num_seqs}; engine environment {' '.join(f'{k}={v}' for k, v in sorted(vllm_env.items()))}"
+    )
+    console.print(f"pdd-serve: Ray Serve ingress -> conductor -> token channel -> engine replica; vLLM: its OpenAI server, {' '.join(cmd[3:])}")
     results: dict[tuple[str, int], list[LoadResult]] = {}
     with LocalApp(args, name="overhead") as ours:
         vllm = subprocess.Popen(cmd, env={**os.environ, **vllm_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -110,10 +130,14 @@ def main() -> None:
             for rnd in range(a.rounds):
                 for conc, n in ((1, a.requests_c1), (16, a.requests_c16)):
                     for name, url in servers.items():
-                        r = asyncio.run(run_load(url, MODEL, prompts(n, a.prompt_words), concurrency=conc, max_tokens=a.max_tokens, label=name,
-                                                 extra_body=asked))
+                        r = asyncio.run(
+                            run_load(url, MODEL, prompts(n, a.prompt_words), concurrency=conc, max_tokens=a.max_tokens, label=name, extra_body=asked)
+                        )
                         failed = len(r.records) - len(r.ok)
-                        console.print(f"round {rnd + 1}/{a.rounds} {name:9s} c={conc:<2d} {r.output_tokens_per_s:7.0f} tok/s  TTFT p50 {r.ttft_ms(50):6.1f} ms" + (f"  [red]{failed} failed[/red]" if failed else ""))
+                        console.print(
+                            f"round {rnd + 1}/{a.rounds} {name:9s} c={conc:<2d} {r.output_tokens_per_s:7.0f} tok/s  TTFT p50 {r.ttft_ms(50):6.1f} ms"
+                            + (f"  [red]{failed} failed[/red]" if failed else "")
+                        )
                         results.setdefault((name, conc), []).append(r)
         finally:
             vllm.terminate()
@@ -121,15 +145,17 @@ def main() -> None:
 
     rows = []
     for (name, conc), runs in results.items():
-        rows.append({
-            "server": name,
-            "concurrency": conc,
-            "tok_per_s": median([r.output_tokens_per_s for r in runs]),
-            "ttft_p50_ms": median([r.ttft_ms(50) for r in runs]),
-            "ttft_p99_ms": median([r.ttft_ms(99) for r in runs]),
-            "tpot_p50_ms": median([r.tpot_ms(50) for r in runs]),
-            "failed": sum(len(r.records) - len(r.ok) for r in runs),
-        })
+        rows.append(
+            {
+                "server": name,
+                "concurrency": conc,
+                "tok_per_s": median([r.output_tokens_per_s for r in runs]),
+                "ttft_p50_ms": median([r.ttft_ms(50) for r in runs]),
+                "ttft_p99_ms": median([r.ttft_ms(99) for r in runs]),
+                "tpot_p50_ms": median([r.tpot_ms(50) for r in runs]),
+                "failed": sum(len(r.records) - len(r.ok) for r in runs),
+            }
+        )
     by = {(r["server"], r["concurrency"]): r for r in rows}
     summary = {
         "throughput_ratio_c1": by[("pdd-serve", 1)]["tok_per_s"] / by[("vllm", 1)]["tok_per_s"],
@@ -146,7 +172,15 @@ def main() -> None:
     for col in ("concurrency", "server", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "failed"):
         table.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"])):
-        table.add_row(str(r["concurrency"]), r["server"], f"{r['tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p99_ms']:.1f}", f"{r['tpot_p50_ms']:.2f}", str(r["failed"]))
+        table.add_row(
+            str(r["concurrency"]),
+            r["server"],
+            f"{r['tok_per_s']:.0f}",
+            f"{r['ttft_p50_ms']:.1f}",
+            f"{r['ttft_p99_ms']:.1f}",
+            f"{r['tpot_p50_ms']:.2f}",
+            str(r["failed"]),
+        )
     console.print(table)
     console.print(
         f"throughput ratio (ours / vLLM): c1 {summary['throughput_ratio_c1']:.2f}x, c16 {summary['throughput_ratio_c16']:.2f}x (goal >= 0.9x at c16); "

@@ -54,13 +54,21 @@ def main() -> None:
     template = AgenticWorkload(requests=a.requests, rps=a.rps, seed=0)
     rows, points = [], {}
     for r in range(a.rounds):
-        for n in ((1, jobs) if r % 2 == 0 else (jobs, 1)):
+        for n in (1, jobs) if r % 2 == 0 else (jobs, 1):
             with console.status(f"round {r + 1}/{a.rounds}: sweep of {2 * len(HIT_GRID)} runs on {n} process(es)"):
                 t0 = time.perf_counter()
                 points[n] = hit_sweep(config, naive, template, HIT_GRID, warm_start=True, jobs=n)
                 wall = time.perf_counter() - t0
-            rows.append({"round": r + 1, "jobs": n, "wall_s": wall, "runs": 2 * len(HIT_GRID), "requests_per_run": a.requests,
-                         "simulated_requests_per_s": 2 * len(HIT_GRID) * a.requests / wall})
+            rows.append(
+                {
+                    "round": r + 1,
+                    "jobs": n,
+                    "wall_s": wall,
+                    "runs": 2 * len(HIT_GRID),
+                    "requests_per_run": a.requests,
+                    "simulated_requests_per_s": 2 * len(HIT_GRID) * a.requests / wall,
+                }
+            )
     same = repr(points[1]) == repr(points[jobs])  # repr: a NaN figure equals itself
     one = median([row["wall_s"] for row in rows if row["jobs"] == 1])
     many = median([row["wall_s"] for row in rows if row["jobs"] == jobs])
@@ -72,8 +80,15 @@ def main() -> None:
         table.add_row(str(n), f"{wall:.1f}", f"{2 * len(HIT_GRID) * a.requests / wall:,.0f}", f"{one / wall:.2f}x")
     console.print(table)
     console.print(f"every point the same on {jobs} processes as on one: " + ("[green]yes[/green]" if same else "[red]NO[/red]"))
-    summary = {"jobs": jobs, "wall_s_one": one, "wall_s_parallel": many, "speedup": one / many, "same_points": same,
-               "rounds": a.rounds, "requests_per_run": a.requests}
+    summary = {
+        "jobs": jobs,
+        "wall_s_one": one,
+        "wall_s_parallel": many,
+        "speedup": one / many,
+        "same_points": same,
+        "rounds": a.rounds,
+        "requests_per_run": a.requests,
+    }
     csv_path = write_outputs("sim_parallel", rows, summary, a.json_path)
     console.print(f"wrote {csv_path}")
     if not same:

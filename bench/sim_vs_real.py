@@ -70,8 +70,17 @@ from rich.table import Table
 
 from app.config import Mode, RoleName
 from app.config_file import parse_config
-from app.sim.calibrate import (OverheadSample, PullSample, RoleFit, calibrate, fit_to_app_steps, with_decoder_overhead, with_kv_pull,
-                               with_model_spec, with_serving_overhead)
+from app.sim.calibrate import (
+    OverheadSample,
+    PullSample,
+    RoleFit,
+    calibrate,
+    fit_to_app_steps,
+    with_decoder_overhead,
+    with_kv_pull,
+    with_model_spec,
+    with_serving_overhead,
+)
 from app.sim.cluster import derive, entry_role
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
@@ -83,9 +92,17 @@ console = Console(width=160)
 REAL = OUT_DIR / "pipelines.csv"
 FITTED = OUT_DIR / "fitted_perf.json"
 
-FIGURES = (("server_ttft_p50", "TTFT p50 ms, conductor"), ("server_ttft_p90", "TTFT p90 ms, conductor"),
-           ("server_ttft_p99", "TTFT p99 ms, conductor"), ("ttft_p50", "TTFT p50 ms, client"), ("ttft_p90", "TTFT p90 ms, client"),
-           ("ttft_p99", "TTFT p99 ms, client"), ("tpot_p50", "TPOT p50 ms"), ("gap_p99", "worst gap p99 ms"), ("wan_mb", "WAN MB"))
+FIGURES = (
+    ("server_ttft_p50", "TTFT p50 ms, conductor"),
+    ("server_ttft_p90", "TTFT p90 ms, conductor"),
+    ("server_ttft_p99", "TTFT p99 ms, conductor"),
+    ("ttft_p50", "TTFT p50 ms, client"),
+    ("ttft_p90", "TTFT p90 ms, client"),
+    ("ttft_p99", "TTFT p99 ms, client"),
+    ("tpot_p50", "TPOT p50 ms"),
+    ("gap_p99", "worst gap p99 ms"),
+    ("wan_mb", "WAN MB"),
+)
 
 
 STEP_SCALES = (0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.03)
@@ -108,13 +125,17 @@ def real_rows(path: Path) -> dict[str, list[dict]]:
     return rows
 
 
-def figures(ttft_ms: list[float], server_ttft_ms: list[float], tpot_ms: list[float], gap_ms: list[float], pipelines: list[str],
-            wan_bytes: float) -> dict:
+def figures(ttft_ms: list[float], server_ttft_ms: list[float], tpot_ms: list[float], gap_ms: list[float], pipelines: list[str], wan_bytes: float) -> dict:
     return {
-        "ttft_p50": percentile(ttft_ms, 50), "ttft_p90": percentile(ttft_ms, 90), "ttft_p99": percentile(ttft_ms, 99),
+        "ttft_p50": percentile(ttft_ms, 50),
+        "ttft_p90": percentile(ttft_ms, 90),
+        "ttft_p99": percentile(ttft_ms, 99),
         **{f"server_ttft_p{q}": percentile(server_ttft_ms, q) for q in (50, 90, 99)},
-        "tpot_p50": percentile(tpot_ms, 50), "gap_p99": percentile(gap_ms, 99), "requests": len(ttft_ms),
-        "wan_mb": wan_bytes / 1e6, "pipelines": dict(Counter(pipelines)),
+        "tpot_p50": percentile(tpot_ms, 50),
+        "gap_p99": percentile(gap_ms, 99),
+        "requests": len(ttft_ms),
+        "wan_mb": wan_bytes / 1e6,
+        "pipelines": dict(Counter(pipelines)),
     }
 
 
@@ -126,8 +147,9 @@ def _number(value: str | None) -> float | None:
     return None if math.isnan(x) else x
 
 
-def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_sharing: bool = True, kv_pull_cost: bool = True,
-               decoder_overhead: bool = True) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample], list[PullSample]]:
+def app_models(
+    base: FittedPerf, mode: Mode, run: str = "calibration", host_sharing: bool = True, kv_pull_cost: bool = True, decoder_overhead: bool = True
+) -> tuple[dict[str, FittedPerf], dict[str, RoleFit], list[OverheadSample], list[PullSample]]:
     """`base` fitted per role to the steps of `mode`'s calibration replay (or measured run) in bench/pipelines.py,
     with the serving overhead, and (unless turned off) the KV transport's cost and the decoders' request
     overhead, fitted to that replay's on the entry role's model; the fits, the overheads and the pulls."""
@@ -154,18 +176,34 @@ def app_models(base: FittedPerf, mode: Mode, run: str = "calibration", host_shar
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibration", choices=("app", "idle", "run"), default="app",
-                    help="app: the engine-alone model fitted per role to the steps bench/pipelines.py timed in each mode's calibration "
-                         "replay; idle: the engine-alone model; run: fitted to the steps of the very run compared (in-sample: what "
-                         "is left when the step times are right)")
+    ap.add_argument(
+        "--calibration",
+        choices=("app", "idle", "run"),
+        default="app",
+        help="app: the engine-alone model fitted per role to the steps bench/pipelines.py timed in each mode's calibration "
+        "replay; idle: the engine-alone model; run: fitted to the steps of the very run compared (in-sample: what "
+        "is left when the step times are right)",
+    )
     ap.add_argument("--base", type=Path, help="the engine-alone model JSON (default: measure a real engine now)")
     ap.add_argument("--perf", type=Path, help="a step-time model JSON used as is for every mode (app/sim/perf.py load_perf)")
-    ap.add_argument("--no-host-sharing", dest="host_sharing", action="store_false",
-                    help="scale each role by one factor instead of fitting how busy engines on this host slow each other")
-    ap.add_argument("--no-kv-pull-cost", dest="kv_pull_cost", action="store_false",
-                    help="leave out the KV transport's cost beyond the links (fitted to the replay's pulls inside a datacenter)")
-    ap.add_argument("--no-decoder-overhead", dest="decoder_overhead", action="store_false",
-                    help="leave out the decoder replicas' own time on the requests they get after P's first token")
+    ap.add_argument(
+        "--no-host-sharing",
+        dest="host_sharing",
+        action="store_false",
+        help="scale each role by one factor instead of fitting how busy engines on this host slow each other",
+    )
+    ap.add_argument(
+        "--no-kv-pull-cost",
+        dest="kv_pull_cost",
+        action="store_false",
+        help="leave out the KV transport's cost beyond the links (fitted to the replay's pulls inside a datacenter)",
+    )
+    ap.add_argument(
+        "--no-decoder-overhead",
+        dest="decoder_overhead",
+        action="store_false",
+        help="leave out the decoder replicas' own time on the requests they get after P's first token",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the twin's link draws")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
@@ -207,15 +245,20 @@ def main() -> None:
                 (OUT_DIR / f"fitted_perf_{mode.value}.json").write_text(roles_to_json(models))
                 entry = models[entry_role(mode).value]
                 ms = [sample.ms for sample in overheads]
-                console.print(f"{mode.value}: fitted per role to the engines' steps in its {source}: "
-                              + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
-                              + f"; serving overhead {entry.serving_overhead_ms:.1f} ms a request + "
-                              f"{entry.serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(ms)}: "
-                              f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)"
-                              + (f"; KV pulls {entry.kv_pull_ms:.1f} ms + {entry.kv_pull_ms_per_mb:.2f} ms/MB beyond the link (fitted to "
-                                 f"{len(pulls)} pulls inside a datacenter)" if pulls else "")
-                              + (f"; decoder request overhead {entry.decoder_request_overhead_ms:.1f} ms (median)"
-                                 if entry.decoder_request_overhead_ms else ""))
+                console.print(
+                    f"{mode.value}: fitted per role to the engines' steps in its {source}: "
+                    + "; ".join(f"{role} {fit.describe()}" for role, fit in fits.items())
+                    + f"; serving overhead {entry.serving_overhead_ms:.1f} ms a request + "
+                    f"{entry.serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(ms)}: "
+                    f"median {percentile(ms, 50):.1f} ms, p10-p90 {percentile(ms, 10):.0f}-{percentile(ms, 90):.0f} ms)"
+                    + (
+                        f"; KV pulls {entry.kv_pull_ms:.1f} ms + {entry.kv_pull_ms_per_mb:.2f} ms/MB beyond the link (fitted to "
+                        f"{len(pulls)} pulls inside a datacenter)"
+                        if pulls
+                        else ""
+                    )
+                    + (f"; decoder request overhead {entry.decoder_request_overhead_ms:.1f} ms (median)" if entry.decoder_request_overhead_ms else "")
+                )
             console.print(f"wrote {OUT_DIR}/fitted_perf_MODE.json")
 
     real: dict[str, dict] = {}
@@ -226,8 +269,14 @@ def main() -> None:
 
     def twin_figures(sim) -> dict:
         ttft = [r.ttft_s * 1000 for r in sim]
-        return figures(ttft, ttft, [r.tpot_s * 1000 for r in sim if r.output_tokens > 1], [r.max_gap_s * 1000 for r in sim if r.output_tokens > 1],
-                       [r.pipeline.value for r in sim], sum(r.wan_bytes for r in sim))
+        return figures(
+            ttft,
+            ttft,
+            [r.tpot_s * 1000 for r in sim if r.output_tokens > 1],
+            [r.max_gap_s * 1000 for r in sim if r.output_tokens > 1],
+            [r.pipeline.value for r in sim],
+            sum(r.wan_bytes for r in sim),
+        )
 
     traces: dict[Mode, list] = {}
     for mode in modes:
@@ -241,9 +290,14 @@ def main() -> None:
             ttfts[mode.value]["twin, one factor"] = [r.ttft_s * 1000 for r in sim_one]
         real_ttft = [float(r["ttft_ms"]) for r in mine]
         server = [x for r in mine if (x := _number(r.get("server_ttft_ms"))) is not None]
-        real[mode.value] = figures(real_ttft, server, [x for r in mine if (x := _number(r["tpot_ms"])) is not None],
-                                   [float(r["max_gap_ms"]) for r in mine], [r["pipeline"] for r in mine],
-                                   sum(float(r["wan_bytes"] or 0) for r in mine))
+        real[mode.value] = figures(
+            real_ttft,
+            server,
+            [x for r in mine if (x := _number(r["tpot_ms"])) is not None],
+            [float(r["max_gap_ms"]) for r in mine],
+            [r["pipeline"] for r in mine],
+            sum(float(r["wan_bytes"] or 0) for r in mine),
+        )
         twin[mode.value] = twin_figures(sim)
         ttfts[mode.value]["real"] = server
 
@@ -266,8 +320,9 @@ def main() -> None:
                 continue
             extra = (f"{baseline[mode][k]:.1f}", f"{rel_baseline[mode].get(k, float('nan')):+.0%}") if baseline else ()
             table.add_row(mode, label, f"{real[mode][k]:.1f}", f"{twin[mode][k]:.1f}", f"{rel[mode].get(k, float('nan')):+.0%}", *extra)
-        table.add_row(mode, "pipelines", pipelines(real[mode]), pipelines(twin[mode]), "", *((pipelines(baseline[mode]), "") if baseline else ()),
-                      end_section=True)
+        table.add_row(
+            mode, "pipelines", pipelines(real[mode]), pipelines(twin[mode]), "", *((pipelines(baseline[mode]), "") if baseline else ()), end_section=True
+        )
     console.print(table)
     pdd = rel[Mode.pdd.value]
     ok = all(abs(pdd[k]) <= 0.2 for k in ("server_ttft_p50", "server_ttft_p90"))
@@ -279,8 +334,12 @@ def main() -> None:
         ttft = [r.ttft_s * 1000 for r in sim]
         for q in (50, 90):
             sensitivity[f"server_ttft_p{q}_rel"].append(percentile(ttft, q) / real[Mode.pdd.value][f"server_ttft_p{q}"] - 1)
-    console.print("pdd TTFT at the conductor, twin / real - 1, with every step x " + ", ".join(f"{f:g}" for f in STEP_SCALES) + ":\n"
-                  + "\n".join(f"  p{q}: " + ", ".join(f"{x:+.0%}" for x in sensitivity[f"server_ttft_p{q}_rel"]) for q in (50, 90)))
+    console.print(
+        "pdd TTFT at the conductor, twin / real - 1, with every step x "
+        + ", ".join(f"{f:g}" for f in STEP_SCALES)
+        + ":\n"
+        + "\n".join(f"  p{q}: " + ", ".join(f"{x:+.0%}" for x in sensitivity[f"server_ttft_p{q}_rel"]) for q in (50, 90))
+    )
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
@@ -300,14 +359,34 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
-    summary = {"real": real, "twin": twin, "ttft_p50_rel_err": abs(pdd["server_ttft_p50"]), "ttft_p90_rel_err": abs(pdd["server_ttft_p90"]),
-               "client_ttft_p50_rel_err": abs(pdd["ttft_p50"]), "client_ttft_p90_rel_err": abs(pdd["ttft_p90"]),
-               "rel": rel, "calibration": calibration, "host_sharing": bool(baseline), "goal_met": ok,
-               "twin_one_factor": baseline, "rel_one_factor": rel_baseline, "step_scale_sensitivity": sensitivity,
-               "perf": {mode.value: ({r: m.__dict__ for r, m in p.items()} if isinstance(p, dict) else p.__dict__) for mode, p in perfs.items()}}
-    out_rows = [{"mode": mode, "figure": k, "real": real[mode][k], "twin": twin[mode][k], "rel": rel[mode].get(k),
-                 **({"twin_one_factor": baseline[mode][k], "rel_one_factor": rel_baseline[mode].get(k)} if baseline else {})}
-                for mode in real for k, _ in FIGURES]
+    summary = {
+        "real": real,
+        "twin": twin,
+        "ttft_p50_rel_err": abs(pdd["server_ttft_p50"]),
+        "ttft_p90_rel_err": abs(pdd["server_ttft_p90"]),
+        "client_ttft_p50_rel_err": abs(pdd["ttft_p50"]),
+        "client_ttft_p90_rel_err": abs(pdd["ttft_p90"]),
+        "rel": rel,
+        "calibration": calibration,
+        "host_sharing": bool(baseline),
+        "goal_met": ok,
+        "twin_one_factor": baseline,
+        "rel_one_factor": rel_baseline,
+        "step_scale_sensitivity": sensitivity,
+        "perf": {mode.value: ({r: m.__dict__ for r, m in p.items()} if isinstance(p, dict) else p.__dict__) for mode, p in perfs.items()},
+    }
+    out_rows = [
+        {
+            "mode": mode,
+            "figure": k,
+            "real": real[mode][k],
+            "twin": twin[mode][k],
+            "rel": rel[mode].get(k),
+            **({"twin_one_factor": baseline[mode][k], "rel_one_factor": rel_baseline[mode].get(k)} if baseline else {}),
+        }
+        for mode in real
+        for k, _ in FIGURES
+    ]
     csv_path = write_outputs("sim_vs_real", out_rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
 

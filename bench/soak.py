@@ -44,14 +44,16 @@ WAN = "dc-a->dc-b"
 
 
 def faults_cycle(f: Faults):
-    return itertools.cycle([
-        ("kill a main decoder", lambda: f.kill_replica("MainDecode")),
-        ("cut the WAN for 8 s", lambda: f.cut_link(WAN, 8)),
-        ("kill the relay decoder", lambda: f.kill_replica("RelayDecode")),
-        ("stall the WAN for 3 s", lambda: f.stall_link(WAN, 3)),
-        ("expire prefill's leases", f.expire_leases),
-        ("kill the prefill replica", lambda: f.kill_replica("Prefill")),
-    ])
+    return itertools.cycle(
+        [
+            ("kill a main decoder", lambda: f.kill_replica("MainDecode")),
+            ("cut the WAN for 8 s", lambda: f.cut_link(WAN, 8)),
+            ("kill the relay decoder", lambda: f.kill_replica("RelayDecode")),
+            ("stall the WAN for 3 s", lambda: f.stall_link(WAN, 3)),
+            ("expire prefill's leases", f.expire_leases),
+            ("kill the prefill replica", lambda: f.kill_replica("Prefill")),
+        ]
+    )
 
 
 def serving_processes() -> dict[int, str]:
@@ -155,9 +157,15 @@ def fault_impact(outcomes: list[dict], injected: list[tuple[float, str]]) -> lis
 
     def impact(label: str, group: list[dict]) -> dict:
         gaps = [o["max_gap_s"] * 1000 for o in group if o["outcome"] == "completed"]
-        return {"requests": label, "n": len(group), "completed": len(gaps),
-                "failed": sum(o["outcome"] == "failed" for o in group), "lost": sum(o["outcome"] == "lost" for o in group),
-                "worst gap median ms": percentile(gaps, 50) if gaps else float("nan"), "worst gap max ms": max(gaps, default=float("nan"))}
+        return {
+            "requests": label,
+            "n": len(group),
+            "completed": len(gaps),
+            "failed": sum(o["outcome"] == "failed" for o in group),
+            "lost": sum(o["outcome"] == "lost" for o in group),
+            "worst gap median ms": percentile(gaps, 50) if gaps else float("nan"),
+            "worst gap max ms": max(gaps, default=float("nan")),
+        }
 
     rows, touched = [], set()
     for at, name in injected:
@@ -211,7 +219,10 @@ def main() -> None:
             start = time.monotonic()
             stop_at = start + a.duration
             rng = random.Random(0)
-            clients = [asyncio.create_task(client_loop(app.base_url, start, stop_at, random.Random(rng.random()), a.request_timeout, outcomes)) for _ in range(a.clients)]
+            clients = [
+                asyncio.create_task(client_loop(app.base_url, start, stop_at, random.Random(rng.random()), a.request_timeout, outcomes))
+                for _ in range(a.clients)
+            ]
             sampler = asyncio.create_task(sample_rss(start, stop_at))
             if a.interval > 0:
                 await inject_faults(start, stop_at)
@@ -251,8 +262,16 @@ def main() -> None:
     for row in impacts:
         per_fault.add_row(*(v if isinstance(v, str) else f"{v:.0f}" for v in row.values()))
     console.print(per_fault)
-    summary["rss"] = [{"process": processes[pid], "start_mib": before[pid] / 2**20, "end_mib": after[pid] / 2**20,
-                       "growth_pct": growth[pid], "last_third_mib_per_min": slope[pid]} for pid in sorted(survivors, key=lambda p: -growth[p])]
+    summary["rss"] = [
+        {
+            "process": processes[pid],
+            "start_mib": before[pid] / 2**20,
+            "end_mib": after[pid] / 2**20,
+            "growth_pct": growth[pid],
+            "last_third_mib_per_min": slope[pid],
+        }
+        for pid in sorted(survivors, key=lambda p: -growth[p])
+    ]
     memory = Table(title=f"RSS of the processes alive throughout (sampled every {a.rss_every:g} s)")
     for col in ("process", "start MiB", "end MiB", "growth %", "last third MiB/min"):
         memory.add_column(col, justify="left" if col == "process" else "right")

@@ -11,7 +11,7 @@ instructions" is printed as the label it is.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from agents.chatops import records
@@ -153,12 +153,16 @@ async def state_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
             continue
         replicas = info.get("replicas") or []
         busy = sum(rep.get("in_flight") or 0 for rep in replicas)
-        lines.append(f"- {role} in {info.get('datacenter')} ({info.get('accelerator')}): {len(replicas)} live of {info.get('configured_replicas')} configured, {busy} requests in flight")
+        lines.append(
+            f"- {role} in {info.get('datacenter')} ({info.get('accelerator')}): {len(replicas)} live of {info.get('configured_replicas')} configured, {busy} requests in flight"
+        )
     lines.append(f"Requests in flight: {state.get('in_flight')}.")
     recent = (state.get("slo") or {}).get("recent") or {}
     for pipeline, figs in (recent.get("by_pipeline") or {}).items():
         ttft = figs.get("ttft_ms") or {}
-        lines.append(f"- journal, last {recent.get('window_s'):g} s: {pipeline} {figs['requests']} requests, {figs['errors']} errors, TTFT p99 {ttft.get('p99')} ms")
+        lines.append(
+            f"- journal, last {recent.get('window_s'):g} s: {pipeline} {figs['requests']} requests, {figs['errors']} errors, TTFT p99 {ttft.get('p99')} ms"
+        )
     drift = knob_drift(state, config)
     lines.append("Live knobs " + (f"moved from the config file: {'; '.join(drift)}." if drift else "equal the config file's."))
     healthy = await r.read("prometheus_query", query="replicas_healthy_by_deployment")
@@ -211,7 +215,7 @@ async def agents_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
 
 def _parsed_time(stamp: Any) -> float:
     try:
-        return datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+        return datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
     except ValueError:
         return 0.0
 
@@ -233,14 +237,18 @@ async def change_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
     if not isinstance(state, Failed):
         drift = knob_drift(state, config)
         lines.append("Live knobs now " + (f"differ from the config file: {'; '.join(drift)}." if drift else "equal the config file's."))
-        moved = [f"{role} {len(i.get('replicas') or [])} live of {i.get('configured_replicas')} configured"
-                 for role, i in (state.get("roles") or {}).items() if len(i.get("replicas") or []) != i.get("configured_replicas")]
+        moved = [
+            f"{role} {len(i.get('replicas') or [])} live of {i.get('configured_replicas')} configured"
+            for role, i in (state.get("roles") or {}).items()
+            if len(i.get("replicas") or []) != i.get("configured_replicas")
+        ]
         lines.append("Replicas " + (f"off their configured count: {'; '.join(moved)}." if moved else "at their configured counts."))
     return lines
 
 
 def knob_paths() -> list[str]:
     """Every live knob's path (`routing.max_wan_transfer_ms`)."""
+
     def walk(model: type, prefix: str) -> list[str]:
         out = []
         for name, field in model.model_fields.items():
@@ -250,6 +258,7 @@ def knob_paths() -> list[str]:
             else:
                 out.append(prefix + name)
         return out
+
     return walk(LiveKnobs, "")
 
 
@@ -303,7 +312,11 @@ async def runbook_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
             return [f"Which runbook applies could not be told: {data}"]
         names = list(dict.fromkeys(s["runbook"].removeprefix("runbooks/").removesuffix(".md") for s in data["situations"] if s["severity"] > 0))
         if not names:
-            return ["No situation that asks for action is active now, so no runbook applies. Runbooks: " + ", ".join(records.runbook_names(r.toolbox.runbooks_dir)) + "."]
+            return [
+                "No situation that asks for action is active now, so no runbook applies. Runbooks: "
+                + ", ".join(records.runbook_names(r.toolbox.runbooks_dir))
+                + "."
+            ]
         lines.append("Active situations and their runbooks:")
     for name in names:
         data = await r.read("read_runbook", situation=name)

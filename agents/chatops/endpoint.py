@@ -59,8 +59,12 @@ class ChatEndpoint:
                 llm = llm_for(self.config.agents)
                 saver = await sqlite_checkpointer(self.config.agents.chat_db) if llm is not None else None
                 self._agent = build_agent(
-                    self.config, llm=llm, source=InProcessSource(self.conductor),
-                    app_name=self.app_name, checkpointer=saver, what_if=load_what_if(),
+                    self.config,
+                    llm=llm,
+                    source=InProcessSource(self.conductor),
+                    app_name=self.app_name,
+                    checkpointer=saver,
+                    what_if=load_what_if(),
                 )
             return self._agent
 

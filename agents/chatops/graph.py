@@ -73,7 +73,7 @@ def asked(state: ChatState) -> str:
 
 def recent_turns(messages: list[AnyMessage], turns: int = MAX_TURNS) -> list[AnyMessage]:
     starts = [i for i, m in enumerate(messages) if isinstance(m, HumanMessage)]
-    return messages[starts[-turns]:] if len(starts) > turns else messages
+    return messages[starts[-turns] :] if len(starts) > turns else messages
 
 
 def _thread(config: RunnableConfig) -> str:

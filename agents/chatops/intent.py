@@ -14,14 +14,54 @@ import re
 from agents.knobs import CHOICE_KNOBS, REPLICAS
 
 CHANGE_VERBS = (
-    "scale", "set", "change", "increase", "decrease", "raise", "lower", "reduce", "bump", "switch",
-    "enable", "disable", "turn", "add", "remove", "drop", "make", "put", "adjust", "update", "use", "move",
+    "scale",
+    "set",
+    "change",
+    "increase",
+    "decrease",
+    "raise",
+    "lower",
+    "reduce",
+    "bump",
+    "switch",
+    "enable",
+    "disable",
+    "turn",
+    "add",
+    "remove",
+    "drop",
+    "make",
+    "put",
+    "adjust",
+    "update",
+    "use",
+    "move",
 )
 UP_VERBS = ("increase", "raise", "add", "bump", "grow")
 DOWN_VERBS = ("decrease", "lower", "reduce", "remove", "drop", "cut", "shrink")
 QUESTION_WORDS = (
-    "what", "why", "how", "when", "where", "which", "who", "whose", "is", "are", "was", "were",
-    "does", "do", "did", "has", "have", "had", "should", "shall", "may", "might",
+    "what",
+    "why",
+    "how",
+    "when",
+    "where",
+    "which",
+    "who",
+    "whose",
+    "is",
+    "are",
+    "was",
+    "were",
+    "does",
+    "do",
+    "did",
+    "has",
+    "have",
+    "had",
+    "should",
+    "shall",
+    "may",
+    "might",
 )
 #: Polite forms that still ask for the change ("could you scale ...").
 POLITE = re.compile(r"^(please|pls|kindly|can you|could you|would you|will you)\b")

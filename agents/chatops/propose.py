@@ -197,24 +197,30 @@ class ProposalDesk:
         now = self.clock()
         entries = FileEntries(resolve_dir(self.config.agents.actions_dir))
         actuator = DryRunActuator(knobs, replicas)
-        with Swarm.open(self.config, mode=AgentMode.advise, source=StaticSource(), actuator=actuator, entries=entries, router=RuleRouter(), clock=self.clock) as swarm:
+        with Swarm.open(
+            self.config, mode=AgentMode.advise, source=StaticSource(), actuator=actuator, entries=entries, router=RuleRouter(), clock=self.clock
+        ) as swarm:
             memory = swarm.deps.memory.load()
             [decision] = guard([proposal], config=self.config, agents=swarm.agents, knobs=knobs, replicas=replicas, memory=memory, now=now)
             if decision.status != "accepted":
                 return Filing(False, f"not filed: the agents' guard {decision.status} it ({decision.reason})", requested=change.describe())
             tick = "chat-" + new_tick_id(now).removeprefix("tick-")
             saved = memory.model_dump(mode="json")
-            swarm.graph.update_state(swarm.thread(tick), {
-                "tick": tick,
-                "mode": AgentMode.advise.value,
-                "now": now,
-                "memory": saved,
-                "memory_saved": saved,
-                "situations": [],
-                "knobs": knobs.model_dump(mode="json"),
-                "replicas": dict(replicas),
-                "decisions": [decision.model_dump(mode="json")],
-            }, as_node="guard")
+            swarm.graph.update_state(
+                swarm.thread(tick),
+                {
+                    "tick": tick,
+                    "mode": AgentMode.advise.value,
+                    "now": now,
+                    "memory": saved,
+                    "memory_saved": saved,
+                    "situations": [],
+                    "knobs": knobs.model_dump(mode="json"),
+                    "replicas": dict(replicas),
+                    "decisions": [decision.model_dump(mode="json")],
+                },
+                as_node="guard",
+            )
             swarm.graph.invoke(None, swarm.thread(tick))
         filed = decision.proposal.change
         note = f" ({decision.reason})" if decision.reason else ""
@@ -225,4 +231,3 @@ class ProposalDesk:
             change=filed.describe(),
             requested=change.describe(),
         )
-

@@ -29,25 +29,51 @@ class Metric:
 
 
 METRICS: dict[str, Metric] = {
-    "ttft": Metric("time to first token", ("ttft", "time to first token", "first token", "latency", "slow", "slower", "response time"),
-                   ("ttft_p_by_pipeline", "ttft_p99_by_pipeline")),
-    "tpot": Metric("time per output token", ("tpot", "time per output token", "per token", "itl", "inter token", "decode speed", "tokens per second"),
-                   ("tpot_p_by_pipeline",)),
-    "gap": Metric("worst inter-token gap", ("gap", "gaps", "stall", "stalls", "stutter", "pause", "pauses", "freeze"),
-                  ("gap_p99_by_pipeline",)),
-    "wan": Metric("KV transfers by link", ("wan", "link", "links", "kv", "transfer", "transfers", "pull", "pulls", "bandwidth", "network"),
-                  ("kv_seconds_p90_by_link", "kv_slowdown_mean_by_link", "kv_bytes_per_transfer_by_link", "kv_transfer_rate_by_link", "kv_failure_rate_by_link")),
+    "ttft": Metric(
+        "time to first token",
+        ("ttft", "time to first token", "first token", "latency", "slow", "slower", "response time"),
+        ("ttft_p_by_pipeline", "ttft_p99_by_pipeline"),
+    ),
+    "tpot": Metric(
+        "time per output token",
+        ("tpot", "time per output token", "per token", "itl", "inter token", "decode speed", "tokens per second"),
+        ("tpot_p_by_pipeline",),
+    ),
+    "gap": Metric("worst inter-token gap", ("gap", "gaps", "stall", "stalls", "stutter", "pause", "pauses", "freeze"), ("gap_p99_by_pipeline",)),
+    "wan": Metric(
+        "KV transfers by link",
+        ("wan", "link", "links", "kv", "transfer", "transfers", "pull", "pulls", "bandwidth", "network"),
+        ("kv_seconds_p90_by_link", "kv_slowdown_mean_by_link", "kv_bytes_per_transfer_by_link", "kv_transfer_rate_by_link", "kv_failure_rate_by_link"),
+    ),
     "hit": Metric("prefix-cache hit", ("hit", "hits", "cache", "cached", "prefix"), ("prefix_hit_by_role",)),
-    "traffic": Metric("request rate", ("request rate", "throughput", "traffic", "rps", "qps", "load", "busy", "requests per second"),
-                      ("request_rate_by_pipeline", "ongoing_by_deployment")),
-    "errors": Metric("errors", ("error", "errors", "fail", "fails", "failing", "failed", "failure", "failures", "500"),
-                     ("requests_by_outcome", "kv_failures_by_link_reason")),
+    "traffic": Metric(
+        "request rate",
+        ("request rate", "throughput", "traffic", "rps", "qps", "load", "busy", "requests per second"),
+        ("request_rate_by_pipeline", "ongoing_by_deployment"),
+    ),
+    "errors": Metric(
+        "errors", ("error", "errors", "fail", "fails", "failing", "failed", "failure", "failures", "500"), ("requests_by_outcome", "kv_failures_by_link_reason")
+    ),
     "slo": Metric("SLO violations", ("slo", "slos", "violation", "violations", "breach", "breaches", "sla"), ("slo_violations_by_pipeline",)),
 }
 
 #: Topic -> words that ask for it (after intent.normalize).
 TOPIC_WORDS: dict[str, tuple[str, ...]] = {
-    "state": ("state", "status", "health", "healthy", "ready", "replica", "replicas", "running", "alive", "overview", "up and running", "how is the cluster", "cluster"),
+    "state": (
+        "state",
+        "status",
+        "health",
+        "healthy",
+        "ready",
+        "replica",
+        "replicas",
+        "running",
+        "alive",
+        "overview",
+        "up and running",
+        "how is the cluster",
+        "cluster",
+    ),
     "agents": ("agent", "agents", "swarm", "tick", "ticks", "decision", "decisions", "pending", "approval", "approve", "proposal", "proposals"),
     "changes": ("changed", "what changed", "recent changes", "changes", "lately", "recently"),
     "runbook": ("runbook", "runbooks", "playbook", "what should i do", "what do i do", "what to do", "how do i fix", "fix"),

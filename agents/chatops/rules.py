@@ -106,7 +106,7 @@ class RuleAgent:
         """A change request read by rules and filed for approval, or why it was not."""
         args, why = change_args(message, list(self.desk.targets()))
         if args is None:
-            return Filing(False, f"not filed: {why}. Ask like \"scale main_decode to 3\" or \"set routing.max_wan_transfer_ms to 500\".")
+            return Filing(False, f'not filed: {why}. Ask like "scale main_decode to 3" or "set routing.max_wan_transfer_ms to 500".')
         try:
             knobs, replicas = live_values(await self.source.state())
         except SourceError as err:

@@ -34,7 +34,19 @@ from agents.whatif import WhatIf, predict
 from app.config import PDDConfig
 
 MAX_SERIES = 40
-JOURNEY_FIELDS = ("request_id", "mode", "pipeline", "prompt_tokens", "completion_tokens", "ttft_ms", "max_gap_ms", "duration_ms", "hit_tokens", "handoff", "error")
+JOURNEY_FIELDS = (
+    "request_id",
+    "mode",
+    "pipeline",
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_ms",
+    "max_gap_ms",
+    "duration_ms",
+    "hit_tokens",
+    "handoff",
+    "error",
+)
 
 
 class ToolFailed(RuntimeError):
@@ -64,7 +76,9 @@ class RunbookQuery(BaseModel):
 
 
 class WhatIfQuery(BaseModel):
-    replicas: dict[str, int] = Field(default_factory=dict, description="Role -> replica count to try (prefill, relay_decode, main_decode); roles left out keep today's count")
+    replicas: dict[str, int] = Field(
+        default_factory=dict, description="Role -> replica count to try (prefill, relay_decode, main_decode); roles left out keep today's count"
+    )
     load_rps: float = Field(gt=0, description="Requests per second to simulate")
 
 
@@ -176,7 +190,9 @@ class Toolbox:
         if journey is None:
             raise ToolFailed(f"no request '{request_id}' in the journal (it keeps the most recent requests only)")
         brief = journey_summary(journey)
-        return ToolOutput(journey, [Figure(source="journey", query=f"GET /pdd/requests/{request_id}", value=clip(", ".join(f"{k}={v}" for k, v in brief.items())))])
+        return ToolOutput(
+            journey, [Figure(source="journey", query=f"GET /pdd/requests/{request_id}", value=clip(", ".join(f"{k}={v}" for k, v in brief.items())))]
+        )
 
     async def recent_requests(self, limit: int = 10) -> ToolOutput:
         journeys = [journey_summary(j) for j in await self.source.recent_requests(limit)]
@@ -188,7 +204,9 @@ class Toolbox:
         entries = await asyncio.to_thread(records.recent_entries, self.actions_dir, limit)
         pending = (await asyncio.to_thread(records.agent_memory, self.audit_db)).pending
         data = {"ticks": ticks, "action_entries": entries, "pending": pending}
-        value = f"{len(ticks)} ticks, {len(entries)} action entries, {len(pending)} awaiting approval" + (f", newest entry {entries[0]['file']}" if entries else "")
+        value = f"{len(ticks)} ticks, {len(entries)} action entries, {len(pending)} awaiting approval" + (
+            f", newest entry {entries[0]['file']}" if entries else ""
+        )
         return ToolOutput(data, [Figure(source="audit", query=f"{self.audit_db} + {self.actions_dir}", value=value)])
 
     async def read_runbook(self, situation: str) -> ToolOutput:
@@ -196,7 +214,9 @@ class Toolbox:
         if text is None:
             raise ToolFailed(f"no runbook for '{situation}'; runbooks: {', '.join(records.runbook_names(self.runbooks_dir))}")
         name = "_".join(situation.strip().lower().replace("-", " ").split())
-        return ToolOutput({"situation": name, "runbook": text}, [Figure(source="runbook", query=f"runbooks/{name}.md", value=f"{len(text.splitlines())} lines")])
+        return ToolOutput(
+            {"situation": name, "runbook": text}, [Figure(source="runbook", query=f"runbooks/{name}.md", value=f"{len(text.splitlines())} lines")]
+        )
 
     async def diagnosis(self) -> ToolOutput:
         """The agents' own checks (agents/diagnose.py) on a fresh snapshot, with their streaks so far."""
@@ -209,10 +229,17 @@ class Toolbox:
         knobs, _ = live_values(await self.source.state())
         memory = await asyncio.to_thread(records.agent_memory, self.audit_db)
         found, _ = diagnose(snap, self.config, self.config.agents, knobs, memory, now)
-        situations = [{
-            "situation": s.key, "summary": s.summary, "severity": s.severity, "specialists": s.specialists,
-            "runbook": f"runbooks/{s.name}.md", "evidence": [e.model_dump(exclude_defaults=True) for e in s.evidence],
-        } for s in found]
+        situations = [
+            {
+                "situation": s.key,
+                "summary": s.summary,
+                "severity": s.severity,
+                "specialists": s.specialists,
+                "runbook": f"runbooks/{s.name}.md",
+                "evidence": [e.model_dump(exclude_defaults=True) for e in s.evidence],
+            }
+            for s in found
+        ]
         value = "; ".join(f"{s.key}: {s.summary}" for s in found) or "no situation"
         query = f"the agents' checks over {len(snap.promql)} Prometheus queries (window {snap.window_s:g} s)"
         return ToolOutput({"situations": situations}, [Figure(source="diagnosis", query=query, value=clip(value))])
@@ -228,46 +255,72 @@ class Toolbox:
             p = await asyncio.to_thread(predict, self.what_if, self.config, plan, knobs, load_rps)
         except (KeyError, AttributeError, TypeError, ValueError) as err:
             raise ToolFailed(f"the twin could not answer: {clip(str(err))}") from err
-        data = {"replicas": plan, "load_rps": load_rps, "predicted": {"ttft_ms": number(p.ttft_ms), "tpot_ms": number(p.tpot_ms), "gap_ms": number(p.gap_ms)}, "slo_percentile": self.config.slo.percentile}
+        data = {
+            "replicas": plan,
+            "load_rps": load_rps,
+            "predicted": {"ttft_ms": number(p.ttft_ms), "tpot_ms": number(p.tpot_ms), "gap_ms": number(p.gap_ms)},
+            "slo_percentile": self.config.slo.percentile,
+        }
         value = f"ttft {data['predicted']['ttft_ms']} ms, tpot {data['predicted']['tpot_ms']} ms, gap {data['predicted']['gap_ms']} ms"
         return ToolOutput(data, [Figure(source="twin", query=f"what_if(replicas={plan}, load_rps={load_rps:g})", value=value)])
 
     def _build(self) -> list[BaseTool]:
         tools = [
             StructuredTool.from_function(
-                coroutine=self.prometheus_query, name="prometheus_query", args_schema=PromQuery,
-                description="Query the cluster's Prometheus (evaluated now). Named templates:\n" + catalogue(self.named)
+                coroutine=self.prometheus_query,
+                name="prometheus_query",
+                args_schema=PromQuery,
+                description="Query the cluster's Prometheus (evaluated now). Named templates:\n"
+                + catalogue(self.named)
                 + "\nTTFT carries no datacenter label: datacenters show in link labels and in cluster_state.",
             ),
             StructuredTool.from_function(
-                coroutine=self.cluster_state, name="cluster_state", args_schema=NoArgs,
+                coroutine=self.cluster_state,
+                name="cluster_state",
+                args_schema=NoArgs,
                 description="The cluster's state (GET /pdd/state): mode, roles with replicas per node group and datacenter, live knobs, links, requests in flight, recent SLO figures by pipeline.",
             ),
             StructuredTool.from_function(
-                coroutine=self.request_journey, name="request_journey", args_schema=JourneyQuery,
+                coroutine=self.request_journey,
+                name="request_journey",
+                args_schema=JourneyQuery,
                 description="One request's journey (GET /pdd/requests/{id}): pipeline, prefix hits, KV transfers, handoff, timings.",
             ),
             StructuredTool.from_function(
-                coroutine=self.recent_requests, name="recent_requests", args_schema=Limit,
+                coroutine=self.recent_requests,
+                name="recent_requests",
+                args_schema=Limit,
                 description="The most recent requests' journeys, summarized (ids, pipeline, TTFT, worst gap, errors).",
             ),
             StructuredTool.from_function(
-                coroutine=self.agent_actions, name="agent_actions", args_schema=Limit,
+                coroutine=self.agent_actions,
+                name="agent_actions",
+                args_schema=Limit,
                 description="What the ops agents did recently: tick summaries from the audit trail, runbook action entries (situation, evidence, change, outcome) and the proposals awaiting approval (target -> tick).",
             ),
             StructuredTool.from_function(
-                coroutine=self.read_runbook, name="read_runbook", args_schema=RunbookQuery,
+                coroutine=self.read_runbook,
+                name="read_runbook",
+                args_schema=RunbookQuery,
                 description="Read the runbook for a situation. Runbooks: " + ", ".join(records.runbook_names(self.runbooks_dir)),
             ),
         ]
         if self.observe is not None:
-            tools.append(StructuredTool.from_function(
-                coroutine=self.diagnosis, name="diagnosis", args_schema=NoArgs,
-                description="The ops agents' diagnosis now: each situation (RLD overload, WAN degradation, SLO breaches, ...) with its evidence, the specialists that act on it and its runbook.",
-            ))
+            tools.append(
+                StructuredTool.from_function(
+                    coroutine=self.diagnosis,
+                    name="diagnosis",
+                    args_schema=NoArgs,
+                    description="The ops agents' diagnosis now: each situation (RLD overload, WAN degradation, SLO breaches, ...) with its evidence, the specialists that act on it and its runbook.",
+                )
+            )
         if self.what_if is not None:
-            tools.append(StructuredTool.from_function(
-                coroutine=self.twin_what_if, name="twin_what_if", args_schema=WhatIfQuery,
-                description="Ask the digital twin what TTFT, TPOT and worst gap (at the SLO percentile) a replica plan would give at a load.",
-            ))
+            tools.append(
+                StructuredTool.from_function(
+                    coroutine=self.twin_what_if,
+                    name="twin_what_if",
+                    args_schema=WhatIfQuery,
+                    description="Ask the digital twin what TTFT, TPOT and worst gap (at the SLO percentile) a replica plan would give at a load.",
+                )
+            )
         return tools

@@ -40,7 +40,9 @@ class View:
     def bounds(self, target: str) -> KnobBounds | None:
         return knob_bounds(self.agents, self.config, target)
 
-    def propose(self, specialist: str, situation: Situation, target: str, old: Any, new: Any, reason: str, effect: str, evidence: list[Evidence] | None = None) -> Proposal:
+    def propose(
+        self, specialist: str, situation: Situation, target: str, old: Any, new: Any, reason: str, effect: str, evidence: list[Evidence] | None = None
+    ) -> Proposal:
         return Proposal(
             specialist=specialist,
             situation=situation.name,

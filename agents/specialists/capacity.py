@@ -119,7 +119,11 @@ def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
     md = per.get(f.P_MD)
     md_text = f"P-MD {md * 1000:.0f} ms" if md is not None else "no P-MD requests"
     return view.propose(
-        NAME, s, notice_target(s.key), None, s.summary,
+        NAME,
+        s,
+        notice_target(s.key),
+        None,
+        s.summary,
         f"only relayed requests are slow ({worst} {per[worst] * 1000:.0f} ms, {md_text}) and neither decoder is busy: "
         "their tokens wait for the relay's KV pull and the handoff, which a replica more would not shorten; a person checks",
         "a person follows runbooks/" + s.name + ".md",
@@ -139,7 +143,11 @@ def _began_while_prefill_relays(view: View, s: Situation) -> bool:
 def _relay_outage_ttft_notice(view: View, s: Situation) -> Proposal:
     relaying = _prefill_relaying(view)
     return view.propose(
-        NAME, s, notice_target(s.key), None, s.summary,
+        NAME,
+        s,
+        notice_target(s.key),
+        None,
+        s.summary,
         f"{relaying.summary}; the breach began since ({s.streak} of {relaying.streak} ticks): prefill decodes beside its "
         "prompts, so this TTFT does not measure prefill capacity; the relay's replacement ends it, and the breach is "
         f"judged again once prefill no longer relays and the window holds no {f.P_P_MD} request; a person checks",
@@ -246,7 +254,13 @@ def _up(view: View, s: Situation, role: RoleName, frozen: set[RoleName]) -> list
         else:
             effect = f"{r.value} capacity -1 (${_cost(view, r):g}/h) pays for it"
         p = view.propose(
-            NAME, s, replica_target(r), now, now + delta, f"{s.summary}: {note}", effect,
+            NAME,
+            s,
+            replica_target(r),
+            now,
+            now + delta,
+            f"{s.summary}: {note}",
+            effect,
             [Evidence(query="cost_per_hour", value=_cost(view, r), note=r.value)],
         )
         out.append(p.model_copy(update={"group": group}))

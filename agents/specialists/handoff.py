@@ -28,11 +28,17 @@ def _overload(view: View, s: Situation) -> list[Proposal]:
     if s.severity == 0:
         return _restore(view, s, "RLD has headroom again")
     if view.knob(MODE) == HandoffMode.catch_up.value:
-        return [view.propose(
-            NAME, s, MODE, HandoffMode.catch_up.value, HandoffMode.auto.value,
-            "catch-up keeps relays running longer; auto hands over in one shot while RLD is loaded",
-            "relays end sooner: RLD load falls",
-        )]
+        return [
+            view.propose(
+                NAME,
+                s,
+                MODE,
+                HandoffMode.catch_up.value,
+                HandoffMode.auto.value,
+                "catch-up keeps relays running longer; auto hands over in one shot while RLD is loaded",
+                "relays end sooner: RLD load falls",
+            )
+        ]
     bounds = view.bounds(RELAY_CAP)
     if bounds is None:
         return []
@@ -41,11 +47,17 @@ def _overload(view: View, s: Situation) -> list[Proposal]:
     new = lower_by_step(RELAY_CAP, current, bounds.model_copy(update={"min": floor}))
     if new is None:
         return []
-    return [view.propose(
-        NAME, s, RELAY_CAP, current, new,
-        f"relay decoders saturated; each relay may produce at most {new} tokens",
-        "relays end sooner: RLD load and queueing fall",
-    )]
+    return [
+        view.propose(
+            NAME,
+            s,
+            RELAY_CAP,
+            current,
+            new,
+            f"relay decoders saturated; each relay may produce at most {new} tokens",
+            "relays end sooner: RLD load and queueing fall",
+        )
+    ]
 
 
 def _wan(view: View, s: Situation) -> list[Proposal]:
@@ -70,12 +82,18 @@ def _wan(view: View, s: Situation) -> list[Proposal]:
     new = step_toward(RELAY_CAP, current, goal, bounds)
     if new is None or new <= current:
         return []
-    return [view.propose(
-        NAME, s, RELAY_CAP, current, new,
-        f"a {transfer:.2f} s pull at {tpot * 1000:.0f} ms/token needs ~{goal} relay tokens",
-        "RLD keeps streaming until MD holds the KV: no stall at the relay cap, worst-gap p99 falls",
-        [Evidence(query="transfer p90 / TPOT x margin", value=goal, note="relay tokens needed")],
-    )]
+    return [
+        view.propose(
+            NAME,
+            s,
+            RELAY_CAP,
+            current,
+            new,
+            f"a {transfer:.2f} s pull at {tpot * 1000:.0f} ms/token needs ~{goal} relay tokens",
+            "RLD keeps streaming until MD holds the KV: no stall at the relay cap, worst-gap p99 falls",
+            [Evidence(query="transfer p90 / TPOT x margin", value=goal, note="relay tokens needed")],
+        )
+    ]
 
 
 def _restore(view: View, s: Situation, why: str) -> list[Proposal]:

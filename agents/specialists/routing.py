@@ -54,29 +54,44 @@ def _wan(view: View, situations: list[Situation]) -> list[Proposal]:
             effective = WAN_SLOWDOWN[0] if failing else link.slowdown
             if effective > slowdown:
                 worst, slowdown = s, effective
-                why = (f"{link.failure_ratio:.0%} of pulls fail (each costs a recompute): counted as a link {slowdown:.1f}x slow" if failing
-                       else f"pulls run {slowdown:.1f}x the link model")
+                why = (
+                    f"{link.failure_ratio:.0%} of pulls fail (each costs a recompute): counted as a link {slowdown:.1f}x slow"
+                    if failing
+                    else f"pulls run {slowdown:.1f}x the link model"
+                )
         if worst is None:
             return []
         goal = wan_threshold_goal(intent, slowdown)
         new = step_toward(THRESHOLD, current, goal, bounds)
         if new is None or new >= current:
             return []
-        return [view.propose(
-            NAME, worst, THRESHOLD, current, new,
-            f"{why}; threshold goal {goal:.0f} ms (intent {intent:.0f} ms / slowdown)",
-            "fewer requests wait on the WAN without a relay: worst-gap p99 and P-MD TTFT-to-second-token fall",
-            [Evidence(query="intent / slowdown", value=goal, note="threshold goal, ms")],
-        )]
+        return [
+            view.propose(
+                NAME,
+                worst,
+                THRESHOLD,
+                current,
+                new,
+                f"{why}; threshold goal {goal:.0f} ms (intent {intent:.0f} ms / slowdown)",
+                "fewer requests wait on the WAN without a relay: worst-gap p99 and P-MD TTFT-to-second-token fall",
+                [Evidence(query="intent / slowdown", value=goal, note="threshold goal, ms")],
+            )
+        ]
     recovered = situations[0]
     new = step_toward(THRESHOLD, current, intent, bounds)
     if new is None:
         return []
-    return [view.propose(
-        NAME, recovered, THRESHOLD, current, new,
-        f"WAN back near its model; threshold returns towards the configured {intent:.0f} ms",
-        "more high-hit requests take P-MD again, relays are freed",
-    )]
+    return [
+        view.propose(
+            NAME,
+            recovered,
+            THRESHOLD,
+            current,
+            new,
+            f"WAN back near its model; threshold returns towards the configured {intent:.0f} ms",
+            "more high-hit requests take P-MD again, relays are freed",
+        )
+    ]
 
 
 def _singular(view: View, s: Situation) -> list[Proposal]:
@@ -90,8 +105,23 @@ def _singular(view: View, s: Situation) -> list[Proposal]:
     if bounds is not None:
         new = raise_by_step(SINGULAR_MIN_PROMPT, current, bounds)
         if new is not None and new > current:
-            return [view.propose(NAME, s, SINGULAR_MIN_PROMPT, current, new, f"singular requests are {share:.1%} of traffic; only longer prompts may end at RLD", effect, evidence)]
-    return [view.propose(NAME, s, SINGULAR_ENABLED, True, False, f"singular requests are {share:.1%} of traffic and the prompt floor is at its bound", effect, evidence)]
+            return [
+                view.propose(
+                    NAME,
+                    s,
+                    SINGULAR_MIN_PROMPT,
+                    current,
+                    new,
+                    f"singular requests are {share:.1%} of traffic; only longer prompts may end at RLD",
+                    effect,
+                    evidence,
+                )
+            ]
+    return [
+        view.propose(
+            NAME, s, SINGULAR_ENABLED, True, False, f"singular requests are {share:.1%} of traffic and the prompt floor is at its bound", effect, evidence
+        )
+    ]
 
 
 def _valley(view: View, s: Situation) -> list[Proposal]:
@@ -104,11 +134,17 @@ def _valley(view: View, s: Situation) -> list[Proposal]:
     new = step_toward(MIN_HIT, current, f.VALLEY[1], bounds)
     if new is None or (current is not None and new <= current):
         return []
-    return [view.propose(
-        NAME, s, MIN_HIT, current, new,
-        f"P-MD needs MD hit >= {f.VALLEY[1]:.0%} (the valley's upper edge); valley requests take the relay",
-        "valley requests stop paying an unmasked transfer: P-MD worst-gap p99 falls",
-    )]
+    return [
+        view.propose(
+            NAME,
+            s,
+            MIN_HIT,
+            current,
+            new,
+            f"P-MD needs MD hit >= {f.VALLEY[1]:.0%} (the valley's upper edge); valley requests take the relay",
+            "valley requests stop paying an unmasked transfer: P-MD worst-gap p99 falls",
+        )
+    ]
 
 
 def propose(view: View) -> list[Proposal]:

@@ -71,7 +71,7 @@ class ConnectorSettings:
     """Which waiting pull a freed pull thread takes (KVTransferSettings.pull_order)."""
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         return cls(
             datacenter=str(extra.get("datacenter", "")),
             host=str(extra.get("host", "127.0.0.1")),
@@ -153,7 +153,7 @@ def _first_group(block_ids: Any) -> list[int]:
 
 
 class PDDConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -178,7 +178,7 @@ class PDDConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ---------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         pull = (request.kv_transfer_params or {}).get(PULL)
         if not pull or request.request_id in self._pull_planned:
             return 0, False
@@ -188,7 +188,7 @@ class PDDConnector(KVConnectorBase_V1):
         count = loadable - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         pull = (request.kv_transfer_params or {}).get(PULL)
         rid = request.request_id
         if not pull or rid in self._pull_planned:
@@ -218,14 +218,14 @@ class PDDConnector(KVConnectorBase_V1):
             local_block_ids=local,
         )
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._step_clock is not None:
             self._step_clock.scheduled(scheduler_output)
         meta = PDDConnectorMetadata(self._new_leases, self._new_pulls)
         self._new_leases, self._new_pulls = [], []
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PDDWorkerMetadata):
             for r in meta.results:
@@ -237,7 +237,7 @@ class PDDConnector(KVConnectorBase_V1):
         for rid in connector_output.finished_sending or ():
             self._leases_live.discard(rid)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params or {}
@@ -292,7 +292,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._pulls = PullThreads(self._settings.concurrent_pulls, self._settings.pull_order)
         logger.info("PDDConnector: block server on port %d, %d bytes per block", self._server.port, self._layout.block_nbytes)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PDDConnectorMetadata)
         for lease in meta.leases:
@@ -301,7 +301,8 @@ class PDDConnector(KVConnectorBase_V1):
             assert self._pulls is not None and self._layout is not None
             s = self._settings
             self._inflight[spec.request_id] = self._pulls.submit(
-                len(spec.remote_indices), pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic())
+                len(spec.remote_indices), pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic()
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -76,7 +76,7 @@ class LinkModel:
         """What an idle link needs for one pull of `nbytes` (no jitter, no stall)."""
         return self.config.rtt_ms / 1000 + nbytes / self.bytes_per_s
 
-    def with_figures(self, **figures: float) -> "LinkModel":
+    def with_figures(self, **figures: float) -> LinkModel:
         """The same link at other figures (e.g. `bandwidth_mbps`), validated, drawing from the same seeded stream."""
         model = LinkModel(LinkConfig.model_validate({**self.config.model_dump(), **figures}))
         model._rng = self._rng
@@ -260,7 +260,7 @@ class LinkRelay:
         target_w = None
         try:
             line = await client_r.readuntil(b"\n")
-            host, _, port = line[: PREAMBLE_LIMIT].decode().strip().rpartition(":")
+            host, _, port = line[:PREAMBLE_LIMIT].decode().strip().rpartition(":")
             target_r, target_w = await asyncio.open_connection(host, int(port))
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             logger.info("link %s: cannot open relay: %s", self.name, exc)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 
-def step_shape(scheduler_output: "SchedulerOutput") -> dict[str, Any]:
+def step_shape(scheduler_output: SchedulerOutput) -> dict[str, Any]:
     """The twin's figures of one step (app/sim/perf.py `StepSample`, without `step_ms`).
 
     A request is decoding when it has output tokens and runs one token; any
@@ -72,7 +72,7 @@ class StepClock:
         self._last: _Step | None = None
         self._samples: list[dict[str, Any]] = []
 
-    def scheduled(self, scheduler_output: "SchedulerOutput") -> None:
+    def scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """A step was just scheduled; times the step before it when that one is still open."""
         now = self._clock()
         ids = frozenset(scheduler_output.num_scheduled_tokens)
@@ -106,7 +106,7 @@ class StepClock:
         samples, self._samples = self._samples, []
         return samples
 
-    def _keep(self, step: "_Step", end: float) -> None:
+    def _keep(self, step: _Step, end: float) -> None:
         self._samples.append({**step.shape, "step_ms": (end - step.start) * 1000, "start_s": step.start})
 
 

@@ -84,7 +84,7 @@ class KVLayout:
     block_dims: dict[str, int]
 
     @classmethod
-    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> "KVLayout":
+    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
         dims = {}
         for name, t in kv_caches.items():
             dim = next((d for d, size in enumerate(t.shape) if size == num_blocks), None)
@@ -286,8 +286,7 @@ class PullResult:
     failed_block_ids: list[int] = field(default_factory=list)
 
 
-def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float,
-                submitted_at: float | None = None) -> PullResult:
+def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float, submitted_at: float | None = None) -> PullResult:
     """Fetch the blocks into this engine's cache; failures are reported, never raised.
     `submitted_at` (time.monotonic()): when the pull was handed to the pull threads."""
     result = PullResult(spec.request_id, spec.link, requested_blocks=len(spec.remote_indices))

@@ -46,15 +46,32 @@ traces), results, report, run, parallel (runs on several processes), cli. The ho
 compiled classes' fields), with the same results as plain Python.
 """
 
+from app.sim.outages import Outage
 from app.sim.perf import FittedPerf, PerfModel, Roofline, StepSample, fit_from_samples, load_samples, save_samples
 from app.sim.report import Summary, summarize
 from app.sim.results import RequestResult, Results
 from app.sim.run import SimRun, goodput_search, hit_sweep, simulate
-from app.sim.outages import Outage
 from app.sim.workload import AgenticWorkload, Request, read_trace, write_trace
 
 __all__ = [
-    "AgenticWorkload", "FittedPerf", "Outage", "PerfModel", "Request", "RequestResult", "Results", "Roofline", "SimRun",
-    "StepSample", "Summary", "fit_from_samples", "goodput_search", "hit_sweep", "load_samples", "read_trace",
-    "save_samples", "simulate", "summarize", "write_trace",
+    "AgenticWorkload",
+    "FittedPerf",
+    "Outage",
+    "PerfModel",
+    "Request",
+    "RequestResult",
+    "Results",
+    "Roofline",
+    "SimRun",
+    "StepSample",
+    "Summary",
+    "fit_from_samples",
+    "goodput_search",
+    "hit_sweep",
+    "load_samples",
+    "read_trace",
+    "save_samples",
+    "simulate",
+    "summarize",
+    "write_trace",
 ]

@@ -35,7 +35,7 @@ def usable_tokens(entry_tokens: int, entry_gen: int, prefix_tokens: int, diverge
     either order (a request dispatched before a rewrite may open after it).
     """
     valid = entry_tokens
-    for d in (divergences[entry_gen:gen] if entry_gen < gen else divergences[gen:entry_gen]):
+    for d in divergences[entry_gen:gen] if entry_gen < gen else divergences[gen:entry_gen]:
         if d < valid:
             valid = d
     return valid if valid < prefix_tokens else prefix_tokens

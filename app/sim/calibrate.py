@@ -533,12 +533,15 @@ class RoleFit(NamedTuple):
             return "too few timed steps: kept at the engine alone's model"
         if self.neighbors is None:
             return f"{self.factor:.2f}x the engine alone"
-        return (f"{self.factor:.2f}x the engine alone with no busy neighbor engine, +{self.neighbor_slowdown:.0%} per busy "
-                f"neighbor ({self.neighbors:.2f} busy on average)")
+        return (
+            f"{self.factor:.2f}x the engine alone with no busy neighbor engine, +{self.neighbor_slowdown:.0%} per busy "
+            f"neighbor ({self.neighbors:.2f} busy on average)"
+        )
 
 
-def fit_to_app_steps(base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]],
-                     min_steps: int = MIN_APP_STEPS, host_sharing: bool = True) -> dict[str, RoleFit]:
+def fit_to_app_steps(
+    base: FittedPerf, steps: Mapping[RoleName, Sequence[StepSample]], min_steps: int = MIN_APP_STEPS, host_sharing: bool = True
+) -> dict[str, RoleFit]:
     """`base` fitted per role to the steps that role's engines took (keyed by
     role name, as the twin's `perf` takes the models).
 

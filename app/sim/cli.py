@@ -23,9 +23,8 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
-
 from pydantic import ValidationError
+from rich.console import Console
 
 from app.config import Mode, PDDConfig, RoleName
 from app.config_file import ConfigError, format_validation_error, load_config
@@ -45,6 +44,7 @@ HIT_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: int) -> tuple[AgenticWorkload | None, Workload]:
     """(generator settings or None for a trace, what to simulate)."""
+
     def settings(fields: dict, source: str) -> AgenticWorkload:
         try:
             return AgenticWorkload.model_validate({"requests": requests, "rps": rps, "seed": seed, **fields})
@@ -79,17 +79,18 @@ def _simulate_each(configs: list[PDDConfig], workload: Workload, total: int, per
     """One run per config, on up to `jobs` processes, a progress bar each."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         tasks = [bar.add_task(f"simulating {c.mode.value}", total=total or None) for c in configs]
-        return run_all(_simulate, [(c, workload, perf, seed, warm_start) for c in configs], jobs=jobs,
-                       on_progress=lambda i, n: bar.update(tasks[i], completed=n))
+        return run_all(
+            _simulate, [(c, workload, perf, seed, warm_start) for c in configs], jobs=jobs, on_progress=lambda i, n: bar.update(tasks[i], completed=n)
+        )
 
 
 def _search(search: tuple[PDDConfig, object, float, object, int, float, bool], report: Report) -> SearchResult:
     config, at, lo, perf, seed, warmup, warm_start = search
-    return goodput_search(config, at, lo=lo, perf=perf, seed=seed, warmup=warmup, warm_start=warm_start,
-                          on_probe=lambda rps, s: report((rps, s.slo_attainment)))
+    return goodput_search(
+        config, at, lo=lo, perf=perf, seed=seed, warmup=warmup, warm_start=warm_start, on_probe=lambda rps, s: report((rps, s.slo_attainment))
+    )
 
 
 def sim(
@@ -102,15 +103,24 @@ def sim(
     compare: list[Mode] = typer.Option([], help="Also simulate these modes on the same workload (repeatable)"),
     perf: Path | None = typer.Option(None, help="Fitted perf model JSON (app/sim/perf.py `load_perf`): one for every role, or one per role"),
     warmup: float = typer.Option(0.1, help="Share of the run's start left out of the figures (queues and caches fill)"),
-    cold_start: bool = typer.Option(False, "--cold-start", help="Start with empty prefix caches (a fresh deployment) instead of holding "
-                                    "the contexts of conversations already under way (a cluster that has been serving them)"),
+    cold_start: bool = typer.Option(
+        False,
+        "--cold-start",
+        help="Start with empty prefix caches (a fresh deployment) instead of holding "
+        "the contexts of conversations already under way (a cluster that has been serving them)",
+    ),
     search: bool = typer.Option(False, help="Also search the highest RPS meeting the SLO on a 3% grid of loads, confirmed below its answer"),
     sweep_hit: bool = typer.Option(False, "--sweep-hit", help="Also sweep the hit rate and plot the benefit (bathtub)"),
     baseline: Mode = typer.Option(Mode.pd_cross_dc_naive, help="Baseline mode of the hit-rate sweep"),
     out: Path = typer.Option(Path("bench/out"), help="Folder for plots"),
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures as JSON here"),
-    jobs: int | None = typer.Option(None, "--jobs", "-j", help="Processes for independent runs (the modes compared, their searches, "
-                                    "the sweep's points); default: every CPU. The figures are the same for any number"),
+    jobs: int | None = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        help="Processes for independent runs (the modes compared, their searches, "
+        "the sweep's points); default: every CPU. The figures are the same for any number",
+    ),
 ) -> None:
     """Simulate CONFIG on a workload; print TTFT/TPOT percentiles, SLA goodput, cost, BCR, WAN use."""
     try:
@@ -153,16 +163,20 @@ def sim(
         doc["search"] = {}
         latest = {c.mode.value: "starting" for c in configs}
         with console.status("goodput search") as status:
+
             def note(i: int, probe: tuple[float, float]) -> None:
                 latest[configs[i].mode.value] = f"{probe[0]:.2f} RPS -> SLO attainment {probe[1]:.1%}"
                 status.update("goodput search: " + "; ".join(f"{mode} {text}" for mode, text in latest.items()))
+
             searches = [(c, at, min(0.5, rps), perf_model, seed, warmup, not cold_start) for c in configs]
             found_all = run_all(_search, searches, jobs=jobs, on_progress=note)
         for c, found in zip(configs, found_all):
             cost = found.summary.cost_per_hour if found.summary else float("nan")
-            console.print(f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
-                          f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
-                          f"  (BCR {found.rps / cost:.4f} per $/h)")
+            console.print(
+                f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
+                f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
+                f"  (BCR {found.rps / cost:.4f} per $/h)"
+            )
             doc["search"][c.mode.value] = {"rps": found.rps, "probes": found.probes}
 
     if sweep_hit:
@@ -171,9 +185,18 @@ def sim(
         else:
             base_cfg = derive(config, mode=baseline)
             with console.status("hit-rate sweep") as status:
-                points = hit_sweep(config, base_cfg, template, HIT_GRID, perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start,
-                                   on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"),
-                                   jobs=jobs)
+                points = hit_sweep(
+                    config,
+                    base_cfg,
+                    template,
+                    HIT_GRID,
+                    perf=perf_model,
+                    seed=seed,
+                    warmup=warmup,
+                    warm_start=not cold_start,
+                    on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"),
+                    jobs=jobs,
+                )
             tub = out / "sim_bathtub.png"
             plot_bathtub(tub, points, f"{config.mode.value} vs {baseline.value}: 1 - TTFT p90 ratio at {template.rps:g} RPS")
             written.append(tub)
@@ -194,19 +217,35 @@ cli.command("sim")(sim)
 def calibrate(
     config_path: Path = typer.Argument(..., help="Serve config YAML whose engine is measured"),
     role: RoleName = typer.Option(RoleName.prefill, help="Role whose engine arguments are used"),
-    from_app: str | None = typer.Option(None, "--from-app", help="Instead, fit --base per role to the steps this running Serve app's engines timed (engine.record_steps), with the slowdown engines sharing the host cause each other"),
+    from_app: str | None = typer.Option(
+        None,
+        "--from-app",
+        help="Instead, fit --base per role to the steps this running Serve app's engines timed (engine.record_steps), with the slowdown engines sharing the host cause each other",
+    ),
     base: Path = typer.Option(Path("bench/out/fitted_perf.json"), help="With --from-app: the model of an engine measured alone (`pdd calibrate CONFIG`)"),
     address: str | None = typer.Option(None, help="With --from-app: its Ray cluster (default: the one `pdd run` started)"),
-    url: str = typer.Option("http://127.0.0.1:8000", help="With --from-app: its HTTP address, for the journeys that give the serving overhead and KV pull cost (PDD_API_KEY for auth)"),
-    out: Path | None = typer.Option(None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"),
+    url: str = typer.Option(
+        "http://127.0.0.1:8000",
+        help="With --from-app: its HTTP address, for the journeys that give the serving overhead and KV pull cost (PDD_API_KEY for auth)",
+    ),
+    out: Path | None = typer.Option(
+        None, help="Fitted model JSON for `pdd sim --perf` (default: bench/out/fitted_perf.json; with --from-app, fitted_perf_app.json beside it)"
+    ),
     samples_path: Path | None = typer.Option(None, "--samples", help="Also write the measured steps here"),
 ) -> None:
     """Fit the twin's step-time model to one real engine of CONFIG, or (--from-app) to a running app's engines.
 
     Alone: measure prefill, prefill after a cached prefix, and decode. With --from-app: fit that model per role to the steps the app's engines timed while serving (and how busy engines on one host slow each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost.
     """
-    from app.sim.calibrate import (app_journeys, decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull,
-                                   with_serving_overhead)
+    from app.sim.calibrate import (
+        app_journeys,
+        decoder_request_overheads,
+        kv_pulls,
+        serving_overheads,
+        with_decoder_overhead,
+        with_kv_pull,
+        with_serving_overhead,
+    )
     from app.sim.calibrate import calibrate as fit
     from app.sim.perf import load_perf, roles_to_json, save_samples
 
@@ -230,20 +269,29 @@ def calibrate(
             models = with_decoder_overhead(models, config.mode, decoder_overheads)
             text = roles_to_json(models)
             summary = "\n".join(
-                f"{role}: {len(samples[role])} timed steps, {fit.describe()}" if fit.factor is not None else
-                f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
-                for role, fit in fits.items())
+                f"{role}: {len(samples[role])} timed steps, {fit.describe()}"
+                if fit.factor is not None
+                else f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
+                for role, fit in fits.items()
+            )
             entry = entry_role(config.mode).value
-            summary += (f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request + "
-                        f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
-                        f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model" if overheads else
-                        f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]")
+            summary += (
+                f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request + "
+                f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
+                f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model"
+                if overheads
+                else f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]"
+            )
             if pulls:
-                summary += (f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
-                            f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model")
+                summary += (
+                    f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
+                    f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model"
+                )
             if decoder_overheads:
-                summary += (f"\ndecoder request overhead: {models[entry].decoder_request_overhead_ms:.1f} ms (median of "
-                            f"{len(decoder_overheads)} decoder requests), on {entry}'s model")
+                summary += (
+                    f"\ndecoder request overhead: {models[entry].decoder_request_overhead_ms:.1f} ms (median of "
+                    f"{len(decoder_overheads)} decoder requests), on {entry}'s model"
+                )
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")

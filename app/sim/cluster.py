@@ -125,9 +125,15 @@ def build_cluster(config: PDDConfig, loop: Loop, mode: Mode, perf: PerfArg = Non
         model = role_perf(config, role, perf)
         capacity = kv_capacity_tokens(config, role, fitted=not isinstance(model, Roofline))
         pools[role] = [
-            Instance(loop, f"{role.value}-{i}", model, max_seqs=rc.engine.max_num_seqs,
-                     max_batched=rc.engine.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
-                     capacity=capacity, block_size=config.model.block_size)
+            Instance(
+                loop,
+                f"{role.value}-{i}",
+                model,
+                max_seqs=rc.engine.max_num_seqs,
+                max_batched=rc.engine.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
+                capacity=capacity,
+                block_size=config.model.block_size,
+            )
             for i in range(rc.replicas)
         ]
     if any(getattr(pool[0].perf, "neighbor_slowdown", 0.0) > 0 for pool in pools.values()):

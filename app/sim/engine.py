@@ -69,7 +69,7 @@ class PrefillJob:
 
     __slots__ = ("owner", "left", "ctx", "need", "lease", "cb", "admitted")
 
-    def __init__(self, owner: Any, tokens: int, ctx: int, need: int, lease: Lease, cb: Callable[["PrefillJob"], None]):
+    def __init__(self, owner: Any, tokens: int, ctx: int, need: int, lease: Lease, cb: Callable[[PrefillJob], None]):
         self.owner = owner
         self.left = tokens
         self.ctx = ctx
@@ -93,8 +93,7 @@ class Seq:
 
     __slots__ = ("owner", "ctx", "n", "need", "lease", "cb", "state", "join", "fin", "t_first", "log0", "inst", "prefills_first")
 
-    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[["Seq", float], None],
-                 prefills_first: bool = False):
+    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[[Seq, float], None], prefills_first: bool = False):
         self.owner = owner
         self.ctx = ctx
         self.n = n
@@ -119,11 +118,11 @@ class Host:
         self.members: list[Instance] = []
         self.busy = 0
 
-    def join(self, inst: "Instance") -> None:
+    def join(self, inst: Instance) -> None:
         self.members.append(inst)
         inst.host = self
 
-    def changed(self, inst: "Instance", now: float) -> None:
+    def changed(self, inst: Instance, now: float) -> None:
         """`inst` became busy or idle: the others' steps in flight run at a new rate."""
         for other in self.members:
             if other is not inst and (other.state == STEP or other.state == EPOCH):

@@ -32,8 +32,7 @@ from app.sim.events import Loop
 
 
 class Link:
-    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan", "down",
-                 "pull_s", "pull_s_per_byte")
+    __slots__ = ("loop", "model", "bw", "vt", "t_last", "heap", "version", "_order", "bytes", "transfers", "wan", "down", "pull_s", "pull_s_per_byte")
 
     def __init__(self, loop: Loop, config: LinkConfig, seed: int = 0):
         self.loop = loop

@@ -61,9 +61,14 @@ def _relay(queue: Any, on_progress: Callable[[int, Any], None]) -> None:
         on_progress(*item)
 
 
-def run_all(fn: Callable[..., R], items: Iterable[T], *, jobs: int | None = None,
-            on_done: Callable[[int, R], None] | None = None,
-            on_progress: Callable[[int, Any], None] | None = None) -> list[R]:
+def run_all(
+    fn: Callable[..., R],
+    items: Iterable[T],
+    *,
+    jobs: int | None = None,
+    on_done: Callable[[int, R], None] | None = None,
+    on_progress: Callable[[int, Any], None] | None = None,
+) -> list[R]:
     """`fn(item)` (with `on_progress`: `fn(item, report)`) for every item, on up to `jobs`
     processes (None: every CPU; 1: in this process), in the order of `items`.
     `on_done(index, result)` as each finishes. The first failure is raised, and the runs
@@ -86,10 +91,7 @@ def run_all(fn: Callable[..., R], items: Iterable[T], *, jobs: int | None = None
         relay.start()
     try:
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = {
-                (pool.submit(fn, item) if queue is None else pool.submit(fn, item, _QueueReport(queue, i))): i
-                for i, item in enumerate(items)
-            }
+            futures = {(pool.submit(fn, item) if queue is None else pool.submit(fn, item, _QueueReport(queue, i))): i for i, item in enumerate(items)}
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)

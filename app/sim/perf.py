@@ -158,9 +158,14 @@ class FittedPerf:
     model has it (app/sim/cluster.py). `scaled` keeps it."""
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: float, attention_pairs: float = 0.0, prefix_chunks: int = 0) -> float:
-        return (self.a_ms + self.b_ms_per_prefill_token * prefill_tokens + self.c_ms_per_decode_seq * decode_seqs
-                + self.d_ms_per_kv_token * kv_tokens_read + self.e_ms_per_attention_pair * attention_pairs
-                + self.f_ms_per_prefix_chunk * prefix_chunks) / 1000
+        return (
+            self.a_ms
+            + self.b_ms_per_prefill_token * prefill_tokens
+            + self.c_ms_per_decode_seq * decode_seqs
+            + self.d_ms_per_kv_token * kv_tokens_read
+            + self.e_ms_per_attention_pair * attention_pairs
+            + self.f_ms_per_prefix_chunk * prefix_chunks
+        ) / 1000
 
     def decode_lines(self, n: int, k0: float) -> tuple[float, float, float, float]:
         # a decode token attends to its whole context: pairs == tokens read
@@ -169,28 +174,35 @@ class FittedPerf:
         p1 = per_token * n / 1000
         return p0, p1, p0, p1
 
-    def scaled(self, factor: float) -> "FittedPerf":
+    def scaled(self, factor: float) -> FittedPerf:
         """Every step `factor` times as long."""
-        return replace(self, a_ms=factor * self.a_ms, b_ms_per_prefill_token=factor * self.b_ms_per_prefill_token,
-                       c_ms_per_decode_seq=factor * self.c_ms_per_decode_seq, d_ms_per_kv_token=factor * self.d_ms_per_kv_token,
-                       e_ms_per_attention_pair=factor * self.e_ms_per_attention_pair, f_ms_per_prefix_chunk=factor * self.f_ms_per_prefix_chunk)
+        return replace(
+            self,
+            a_ms=factor * self.a_ms,
+            b_ms_per_prefill_token=factor * self.b_ms_per_prefill_token,
+            c_ms_per_decode_seq=factor * self.c_ms_per_decode_seq,
+            d_ms_per_kv_token=factor * self.d_ms_per_kv_token,
+            e_ms_per_attention_pair=factor * self.e_ms_per_attention_pair,
+            f_ms_per_prefix_chunk=factor * self.f_ms_per_prefix_chunk,
+        )
 
     def describe(self) -> str:
-        return (f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
-                f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
-                f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs + {self.f_ms_per_prefix_chunk:.2f} ms/chunk after a prefix"
-                + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
-                + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else "")
-                + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else "")
-                + (f"; decoder request overhead {self.decoder_request_overhead_ms:.1f} ms" if self.decoder_request_overhead_ms else "")
-                + (f"; KV pull {self.kv_pull_ms:.1f} ms + {self.kv_pull_ms_per_mb:.2f} ms/MB beyond its link"
-                   if self.kv_pull_ms or self.kv_pull_ms_per_mb else ""))
+        return (
+            f"step = {self.a_ms:.2f} ms + {self.b_ms_per_prefill_token:.4f} ms/prefill token + "
+            f"{self.c_ms_per_decode_seq:.3f} ms/decode seq + {self.d_ms_per_kv_token:.6f} ms/context token read + "
+            f"{self.e_ms_per_attention_pair * 1e6:.3f} ms/M attention pairs + {self.f_ms_per_prefix_chunk:.2f} ms/chunk after a prefix"
+            + (f"; x(1 + {self.neighbor_slowdown:.2f} per busy neighbor engine)" if self.neighbor_slowdown else "")
+            + (f"; serving overhead {self.serving_overhead_ms:.1f} ms a request" if self.serving_overhead_ms else "")
+            + (f" + {self.serving_overhead_ms_per_in_flight:.1f} ms per request in flight" if self.serving_overhead_ms_per_in_flight else "")
+            + (f"; decoder request overhead {self.decoder_request_overhead_ms:.1f} ms" if self.decoder_request_overhead_ms else "")
+            + (f"; KV pull {self.kv_pull_ms:.1f} ms + {self.kv_pull_ms_per_mb:.2f} ms/MB beyond its link" if self.kv_pull_ms or self.kv_pull_ms_per_mb else "")
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "FittedPerf":
+    def from_json(cls, text: str) -> FittedPerf:
         """Raises ValueError naming each bad field."""
         try:
             return _FITTED.validate_json(text)
@@ -229,7 +241,7 @@ def roles_to_json(models: Mapping[str, FittedPerf]) -> str:
     return json.dumps({"roles": {role: model.__dict__ for role, model in models.items()}}, indent=2)
 
 
-def load_perf(path: str | Path) -> "FittedPerf | dict[str, FittedPerf]":
+def load_perf(path: str | Path) -> FittedPerf | dict[str, FittedPerf]:
     """A saved fitted model: one for every role, or one per role (keyed by role name).
     Raises ValueError naming the file and each bad field."""
     try:
@@ -240,7 +252,7 @@ def load_perf(path: str | Path) -> "FittedPerf | dict[str, FittedPerf]":
         raise ValueError(f"{path}: {err}") from None
 
 
-def _perf_doc(doc: object) -> "FittedPerf | dict[str, FittedPerf]":
+def _perf_doc(doc: object) -> FittedPerf | dict[str, FittedPerf]:
     if not isinstance(doc, dict):
         raise ValueError(f"expected a fitted model (an object), got a {type(doc).__name__}")
     if "roles" not in doc:

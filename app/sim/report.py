@@ -170,8 +170,13 @@ def plot_bathtub(path, points: list[dict[str, float]], label: str) -> None:
     for overloaded, style in ((0.0, {"marker": "o", "color": "C0"}), (1.0, {"marker": "o", "facecolors": "none", "edgecolors": "C3"})):
         pts = [p for p in points if p.get("overloaded", 0.0) == overloaded]
         if pts:
-            ax.scatter([p["hit_rate"] for p in pts], [p["benefit"] * 100 for p in pts], zorder=3,
-                       label="SLO met by both" if not overloaded else "SLO missed (queueing)", **style)
+            ax.scatter(
+                [p["hit_rate"] for p in pts],
+                [p["benefit"] * 100 for p in pts],
+                zorder=3,
+                label="SLO met by both" if not overloaded else "SLO missed (queueing)",
+                **style,
+            )
     ax.legend()
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("prefix hit rate of follow-up turns")

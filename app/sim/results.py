@@ -55,16 +55,28 @@ class Results:
         `warmup` share of the arrivals fills the caches), until the last scheduled arrival."""
         import numpy as np
 
-        a = np.frombuffer(self.rows, dtype=np.float64)[_ARRIVAL::len(_COLUMNS)]
+        a = np.frombuffer(self.rows, dtype=np.float64)[_ARRIVAL :: len(_COLUMNS)]
         first = float(a.min())
         end = self.arrivals_end_s if not math.isnan(self.arrivals_end_s) else float(a.max())
         return first + warmup * (end - first), end
 
-    def add(self, rid: int, arrival: float, t_first: float, t_last: float, gap: float, pipeline: Pipeline,
-            prompt: int, output: int, p_hit: int, d_hit: int, relay: int, wan: int) -> int:
+    def add(
+        self,
+        rid: int,
+        arrival: float,
+        t_first: float,
+        t_last: float,
+        gap: float,
+        pipeline: Pipeline,
+        prompt: int,
+        output: int,
+        p_hit: int,
+        d_hit: int,
+        relay: int,
+        wan: int,
+    ) -> int:
         """Store a finished request; returns its row (for `add_wan`)."""
-        self.rows.extend((rid, arrival, t_first - arrival, t_last, gap, PIPELINE_CODE[pipeline], prompt, output,
-                          p_hit, d_hit, relay, wan))
+        self.rows.extend((rid, arrival, t_first - arrival, t_last, gap, PIPELINE_CODE[pipeline], prompt, output, p_hit, d_hit, relay, wan))
         return len(self.rows) // len(_COLUMNS) - 1
 
     def add_wan(self, row: int, nbytes: int) -> None:
@@ -93,8 +105,19 @@ class Results:
     def records(self) -> list[RequestResult]:
         a = self.arrays()
         return [
-            RequestResult(int(a["rid"][i]), float(a["arrival"][i]), float(a["ttft"][i]), float(a["tpot"][i]),
-                          float(a["gap"][i]), PIPELINES[int(a["pipe"][i])], int(a["prompt"][i]), int(a["output"][i]),
-                          int(a["p_hit"][i]), int(a["d_hit"][i]), int(a["relay"][i]), int(a["wan"][i]))
+            RequestResult(
+                int(a["rid"][i]),
+                float(a["arrival"][i]),
+                float(a["ttft"][i]),
+                float(a["tpot"][i]),
+                float(a["gap"][i]),
+                PIPELINES[int(a["pipe"][i])],
+                int(a["prompt"][i]),
+                int(a["output"][i]),
+                int(a["p_hit"][i]),
+                int(a["d_hit"][i]),
+                int(a["relay"][i]),
+                int(a["wan"][i]),
+            )
             for i in range(len(a["rid"]))
         ]

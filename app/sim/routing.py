@@ -64,7 +64,7 @@ class KeyChain:
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int | slice) -> "int | KeyChain":
+    def __getitem__(self, i: int | slice) -> int | KeyChain:
         if isinstance(i, slice):
             return self._slice(i)
         if i < 0:
@@ -82,7 +82,7 @@ class KeyChain:
             base = line * STRIDE
             yield from range(base + a, base + b)
 
-    def _slice(self, sl: slice) -> "KeyChain":
+    def _slice(self, sl: slice) -> KeyChain:
         start, stop, step = sl.indices(self.n)
         if step != 1:
             raise ValueError("key chains slice with step 1 only")
@@ -107,7 +107,7 @@ class KeyChain:
             pos += b - a
         return -1
 
-    def head(self, n: int) -> "KeyChain":
+    def head(self, n: int) -> KeyChain:
         """The first `n` keys (at most all)."""
         if n >= self.n:
             return self
@@ -238,7 +238,7 @@ class RunLRU:
             self.total -= drop
             over -= drop
 
-    def discard(self, keys: "KeyChain | Iterable[int]") -> None:
+    def discard(self, keys: KeyChain | Iterable[int]) -> None:
         if isinstance(keys, KeyChain):
             runs = keys.segs
         else:  # any keys: cut them as runs of consecutive blocks of one line

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from app.config import PDDConfig
 from app.sim.cluster import PerfArg
-from app.sim.report import Summary, summarize
-from app.sim.results import RequestResult, Results
 from app.sim.outages import Outage
 from app.sim.parallel import run_all
+from app.sim.report import Summary, summarize
+from app.sim.results import RequestResult, Results
 from app.sim.twin import Twin
 from app.sim.workload import AgenticWorkload, Request, fixed_hit, read_trace
 
@@ -44,9 +44,16 @@ class SimRun:
         return summarize(self.results, self.config, warmup)
 
 
-def simulate(config: PDDConfig, workload: Workload, perf: PerfArg = None, seed: int = 0,
-             progress: Callable[[int], None] | None = None, *, outages: Iterable[Outage] = (),
-             warm_start: bool = False) -> SimRun:
+def simulate(
+    config: PDDConfig,
+    workload: Workload,
+    perf: PerfArg = None,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+    *,
+    outages: Iterable[Outage] = (),
+    warm_start: bool = False,
+) -> SimRun:
     """Serve `workload` on the cluster `config` describes (its `mode`) and return every request's outcome.
 
     `outages`: windows in which the WAN is cut or no main decoder is alive (PDD routes around them).
@@ -84,8 +91,7 @@ class SearchResult:
     """(rps, SLO attainment, met) for every run, in order."""
 
 
-def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor: int, max_runs: int,
-                confirm: int) -> int | None:
+def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor: int, max_runs: int, confirm: int) -> int | None:
     """Step k of the highest load meeting the SLO on a geometric grid of loads, or None.
 
     Doubles (`double` steps) from `start` until a load fails, or halves until one
@@ -136,10 +142,20 @@ def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor:
     return max((k for k, met in seen.items() if met and k < lowest_failure), default=None)
 
 
-def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Request]], *, lo: float = 0.5,
-                   rel_tol: float = 0.03, max_runs: int = 24, confirm: int = 2, perf: PerfArg = None, seed: int = 0,
-                   warmup: float = 0.1, on_probe: Callable[[float, Summary], None] | None = None,
-                   warm_start: bool = False) -> SearchResult:
+def goodput_search(
+    config: PDDConfig,
+    workload_at: Callable[[float], Iterable[Request]],
+    *,
+    lo: float = 0.5,
+    rel_tol: float = 0.03,
+    max_runs: int = 24,
+    confirm: int = 2,
+    perf: PerfArg = None,
+    seed: int = 0,
+    warmup: float = 0.1,
+    on_probe: Callable[[float, Summary], None] | None = None,
+    warm_start: bool = False,
+) -> SearchResult:
     """The highest RPS whose run meets the config's SLO (`grid_search`).
 
     Loads lie on the grid (1 + rel_tol)^k RPS, the same for every search, so
@@ -167,8 +183,9 @@ def goodput_search(config: PDDConfig, workload_at: Callable[[float], Iterable[Re
         return ok
 
     start = math.floor(math.log(lo) / step + 1e-9)
-    found = grid_search(meets, start, double=max(1, round(math.log(2) / step)), floor=start - math.ceil(math.log(64) / step),
-                        max_runs=max_runs, confirm=confirm)
+    found = grid_search(
+        meets, start, double=max(1, round(math.log(2) / step)), floor=start - math.ceil(math.log(64) / step), max_runs=max_runs, confirm=confirm
+    )
     if found is not None:
         out.rps, out.summary = math.exp(found * step), summaries[found]
     return out
@@ -229,11 +246,11 @@ class TimedTraffic:
 
     def search(self, config: PDDConfig, seed: int, *, lo: float, rel_tol: float = 0.03) -> SearchResult:
         """`goodput_search` over this traffic, its window measured."""
-        return goodput_search(config, self.traffic(seed), lo=lo, rel_tol=rel_tol, seed=seed, warmup=self.warmup_share,
-                              warm_start=self.warm_start)
+        return goodput_search(config, self.traffic(seed), lo=lo, rel_tol=rel_tol, seed=seed, warmup=self.warmup_share, warm_start=self.warm_start)
 
-    def searches(self, searches: Iterable[tuple[PDDConfig, int, float]], on_done: Callable[[int, SearchResult], None] | None = None,
-                 *, rel_tol: float = 0.03) -> list[SearchResult]:
+    def searches(
+        self, searches: Iterable[tuple[PDDConfig, int, float]], on_done: Callable[[int, SearchResult], None] | None = None, *, rel_tol: float = 0.03
+    ) -> list[SearchResult]:
         """`search` for each (config, seed, lo), on `jobs` processes, in order; `on_done(index, result)` as each ends."""
         return run_all(partial(_search_of, self, rel_tol=rel_tol), searches, jobs=self.jobs, on_done=on_done)
 
@@ -262,10 +279,19 @@ def _summary_of(run: tuple[PDDConfig, Workload, PerfArg, int, bool, float]) -> S
     return simulate(config, workload, perf, seed, warm_start=warm_start).summary(warmup)
 
 
-def hit_sweep(config: PDDConfig, baseline: PDDConfig, template: AgenticWorkload, hits: Iterable[float], *,
-              perf: PerfArg = None, seed: int = 0, warmup: float = 0.1,
-              on_point: Callable[[dict[str, float]], None] | None = None, warm_start: bool = False,
-              jobs: int | None = 1) -> list[dict[str, float]]:
+def hit_sweep(
+    config: PDDConfig,
+    baseline: PDDConfig,
+    template: AgenticWorkload,
+    hits: Iterable[float],
+    *,
+    perf: PerfArg = None,
+    seed: int = 0,
+    warmup: float = 0.1,
+    on_point: Callable[[dict[str, float]], None] | None = None,
+    warm_start: bool = False,
+    jobs: int | None = 1,
+) -> list[dict[str, float]]:
     """Benefit against hit rate (the bathtub): for each hit rate of follow-up turns,
     1 - TTFT p90 of `config` / TTFT p90 of `baseline`, at the template's RPS (`warm_start` as in `simulate`).
     Its runs go on `jobs` processes (None: every CPU; app/sim/parallel.py); `on_point` as each point completes."""

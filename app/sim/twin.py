@@ -84,8 +84,15 @@ WARM_ROLES = {
 class Twin(PDDPipelines):
     """One simulation run of a config; `run(requests)` serves them all and returns Results."""
 
-    def __init__(self, config: PDDConfig, perf: PerfArg = None, seed: int = 0,
-                 progress: Callable[[int], None] | None = None, outages: Iterable[Outage] = (), warm_start: bool = False):
+    def __init__(
+        self,
+        config: PDDConfig,
+        perf: PerfArg = None,
+        seed: int = 0,
+        progress: Callable[[int], None] | None = None,
+        outages: Iterable[Outage] = (),
+        warm_start: bool = False,
+    ):
         self.config = config
         self.mode = config.mode
         self.loop = Loop()
@@ -106,7 +113,7 @@ class Twin(PDDPipelines):
         self.wan = self.cluster.link(client, dc[RoleName.main_decode]) if self.M and self.P else None
         # one-way latency of tokens and control messages from main_decode to the client
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
-        self.wan_facts = (LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None)
+        self.wan_facts = LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None
         self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
         self.pending = PendingMDWork(self.loop, config.kv.transfer_timeout_s)
         entry = pools[entry_role(self.mode)][0]
@@ -158,8 +165,10 @@ class Twin(PDDPipelines):
 
     def _arrive(self, req: Request) -> None:
         if req.prompt_tokens + req.output_tokens > self.window:  # the real API refuses it
-            raise ValueError(f"request of session {req.session!r} arriving at {req.arrival_s:g} s: prompt_tokens + output_tokens "
-                             f"({req.prompt_tokens} + {req.output_tokens}) exceed the model's window (model.max_model_len {self.window})")
+            raise ValueError(
+                f"request of session {req.session!r} arriving at {req.arrival_s:g} s: prompt_tokens + output_tokens "
+                f"({req.prompt_tokens} + {req.output_tokens}) exceed the model's window (model.max_model_len {self.window})"
+            )
         self.results.arrivals_end_s = req.arrival_s  # arrivals come in order: the last one stays
         nxt = next(self._arrivals, None)
         if nxt is not None:
@@ -247,9 +256,20 @@ class Twin(PDDPipelines):
             raise AssertionError(f"request {job.rid} finished twice")
         job.done = True
         req = job.req
-        job.row = self.results.add(job.rid, req.arrival_s, job.t_first, job.t_last, job.gap, job.pipe, req.prompt_tokens,
-                         req.output_tokens, job.pl.hit if job.pl else 0, job.dl.hit if job.dl else 0,
-                         job.relay_tokens, job.wan)
+        job.row = self.results.add(
+            job.rid,
+            req.arrival_s,
+            job.t_first,
+            job.t_last,
+            job.gap,
+            job.pipe,
+            req.prompt_tokens,
+            req.output_tokens,
+            job.pl.hit if job.pl else 0,
+            job.dl.hit if job.dl else 0,
+            job.relay_tokens,
+            job.wan,
+        )
         self.finished += 1
         if self.progress is not None and not self.finished & 0xFFF:
             self.progress(self.finished)
@@ -300,8 +320,9 @@ class Twin(PDDPipelines):
         job.dl = inst.open(job.req.session, prefix_tokens, job.sess.divs, job.gen)
 
     @cython.locals(job=Job)
-    def _decode(self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float,
-                cb: Callable[[Seq, float], None] | None = None, pulled: bool = False) -> Seq:
+    def _decode(
+        self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float, cb: Callable[[Seq, float], None] | None = None, pulled: bool = False
+    ) -> Seq:
         """Continue the stream on `inst` from `ctx` tokens; its tokens reach the client `off` later.
         `pulled`: `inst` pulled the prompt's KV, so its first step prefills the last token."""
         job.t_prev = t_prev
@@ -406,8 +427,7 @@ class Twin(PDDPipelines):
         self._pull_done(job)
         req = job.req
         # the decoder computes the first token's KV, producing token 2: both reach the client then
-        job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + req.output_tokens, job.dl,
-                                        self._naive_second))
+        job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + req.output_tokens, job.dl, self._naive_second))
 
     @cython.locals(pj=PrefillJob, job=Job)
     def _naive_second(self, pj: PrefillJob) -> None:

@@ -53,8 +53,7 @@ def workload_for(config: PDDConfig, load_rps: float, requests: int = REQUESTS, s
     return fitted_to_window(AgenticWorkload(requests=requests, rps=load_rps, seed=seed), config.model.max_model_len)
 
 
-def what_if(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_rps: float,
-            requests: int = REQUESTS, seed: int = 0) -> WhatIfAnswer:
+def what_if(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_rps: float, requests: int = REQUESTS, seed: int = 0) -> WhatIfAnswer:
     if load_rps <= 0:
         raise ValueError("load_rps must be positive")
     roles = config.roles.model_copy()
@@ -81,6 +80,14 @@ def what_if(config: PDDConfig, replicas: dict[str, int], knobs: LiveKnobs, load_
         return float(np.percentile(v, q)) * 1000 if len(v) else float("nan")
 
     s = run.summary(WARMUP)
-    return WhatIfAnswer(ttft_ms=at("ttft"), tpot_ms=at("tpot"), gap_ms=at("gap"), goodput_rps=float(s.sla_goodput_rps),
-                        cost_per_hour=cost_per_hour(plan), slo_attainment=float(s.slo_attainment), percentile=q,
-                        load_rps=load_rps, requests=s.requests)
+    return WhatIfAnswer(
+        ttft_ms=at("ttft"),
+        tpot_ms=at("tpot"),
+        gap_ms=at("gap"),
+        goodput_rps=float(s.sla_goodput_rps),
+        cost_per_hour=cost_per_hour(plan),
+        slo_attainment=float(s.slo_attainment),
+        percentile=q,
+        load_rps=load_rps,
+        requests=s.requests,
+    )

@@ -108,7 +108,7 @@ class AgenticWorkload(BaseModel):
     holds for outputs that stream within think_time_min_s; with longer outputs, turns
     would come due before their predecessor finished even on an idle cluster."""
 
-    def with_rps(self, rps: float) -> "AgenticWorkload":
+    def with_rps(self, rps: float) -> AgenticWorkload:
         return self.model_copy(update={"rps": rps})
 
     def generate(self) -> Iterator[Request]:
@@ -138,7 +138,7 @@ def _session_turns(d: _Draws, rng: random.Random, start: float) -> list[tuple[fl
     turns = rng.randint(*d.turns)
     out = []
     t = start
-    stream = 0
+    stream = output = 0
     lognorm = rng.lognormvariate
     total = d.cum[-1]
     for i in range(turns):
@@ -170,7 +170,7 @@ def agentic_requests(w: AgenticWorkload) -> Iterator[Request]:
     pending: list[tuple[float, int, int, Request]] = []
     # sessions start a lifetime before 0 and only arrivals from 0 on are served: the offered
     # rate is steady from the first request (caches still start cold: see the warm-up share)
-    mean_output = min(w.output_max, w.output_median * math.exp(w.output_sigma ** 2 / 2))
+    mean_output = min(w.output_max, w.output_median * math.exp(w.output_sigma**2 / 2))
     mean_gap = w.think_time_min_s + w.think_time_mean_s + mean_output * w.answer_s_per_output_token
     next_start = -max(w.turns_min, w.turns_max) * mean_gap + rng.expovariate(session_rate)
     sid = 0
@@ -191,19 +191,23 @@ def fitted_to_window(w: AgenticWorkload, max_model_len: int) -> AgenticWorkload:
     """`w` with its contexts and outputs shrunk into a model window of `max_model_len`
     tokens (prompt plus output): contexts to 7/8 of it, outputs to the rest."""
     window = min(w.max_context_tokens, max_model_len * 7 // 8)
-    return w.model_copy(update={
-        "max_context_tokens": window,
-        "first_prompt_median": max(1, min(w.first_prompt_median, window // 2)),
-        "output_max": max(1, min(w.output_max, max_model_len - window)),
-        "output_median": max(1, min(w.output_median, (max_model_len - window) // 4)),
-    })
+    return w.model_copy(
+        update={
+            "max_context_tokens": window,
+            "first_prompt_median": max(1, min(w.first_prompt_median, window // 2)),
+            "output_max": max(1, min(w.output_max, max_model_len - window)),
+            "output_median": max(1, min(w.output_median, (max_model_len - window) // 4)),
+        }
+    )
 
 
 def check_window(w: AgenticWorkload, max_model_len: int) -> None:
     """Raise ValueError when `w` can draw a request longer than the model's window."""
     if w.max_context_tokens + w.output_max > max_model_len:
-        raise ValueError(f"workload: max_context_tokens + output_max ({w.max_context_tokens} + {w.output_max}) exceed the model's "
-                         f"window (model.max_model_len {max_model_len}): lower them")
+        raise ValueError(
+            f"workload: max_context_tokens + output_max ({w.max_context_tokens} + {w.output_max}) exceed the model's "
+            f"window (model.max_model_len {max_model_len}): lower them"
+        )
 
 
 def fixed_hit(w: AgenticWorkload, hit: float) -> AgenticWorkload:
@@ -222,7 +226,7 @@ class TraceRecord(BaseModel):
     output_tokens: Annotated[int, Field(ge=1)]
 
     @model_validator(mode="after")
-    def _prefix_within_prompt(self) -> "TraceRecord":
+    def _prefix_within_prompt(self) -> TraceRecord:
         if self.prefix_tokens > self.prompt_tokens:
             raise ValueError(f"prefix_tokens: {self.prefix_tokens} is more than prompt_tokens ({self.prompt_tokens})")
         return self

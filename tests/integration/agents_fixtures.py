@@ -103,11 +103,18 @@ SCENARIOS: dict[str, Levels] = {
     "wan_saturated": replace(HEALTHY, leases_gone={WAN: 0.1}),
     "replica_crash": replace(HEALTHY, replicas={**HEALTHY.replicas, "MainDecode": (2, 1)}, health_failures_rps={"MainDecode": 0.2}),
     "over_provisioned": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "MainDecode": 10.0}),
-    "prefill_relaying": replace(HEALTHY, rps={"P-MD": 4.0, "P-P-MD": 1.0}, ttft_s={"P-MD": 0.5, "P-P-MD": 0.5},
-                                tpot_s={"P-MD": 0.02, "P-P-MD": 0.02}, gap_s={"P-MD": 0.2, "P-P-MD": 0.2}),
+    "prefill_relaying": replace(
+        HEALTHY,
+        rps={"P-MD": 4.0, "P-P-MD": 1.0},
+        ttft_s={"P-MD": 0.5, "P-P-MD": 0.5},
+        tpot_s={"P-MD": 0.02, "P-P-MD": 0.02},
+        gap_s={"P-MD": 0.2, "P-P-MD": 0.2},
+    ),
 }
 RELAY_OUTAGE_TTFT = replace(
-    SCENARIOS["prefill_relaying"], ttft_s={"P-MD": 4.0, "P-P-MD": 4.0}, violations={"ttft": 4.5},
+    SCENARIOS["prefill_relaying"],
+    ttft_s={"P-MD": 4.0, "P-P-MD": 4.0},
+    violations={"ttft": 4.5},
     replicas={**HEALTHY.replicas, "RelayDecode": (1, 0)},
 )
 """The relay decoder dead, prefill relaying, and TTFT over its target."""
@@ -242,7 +249,9 @@ class ScriptedExporter:
             healthy = GaugeMetricFamily(prom_name(SERVE_REPLICA_HEALTHY), SERVE_REPLICA_HEALTHY.description, labels=list(SERVE_REPLICA_HEALTHY.labels))
             target = GaugeMetricFamily(prom_name(SERVE_TARGET_REPLICAS), SERVE_TARGET_REPLICAS.description, labels=list(SERVE_TARGET_REPLICAS.labels))
             ongoing = GaugeMetricFamily(prom_name(SERVE_PROCESSING), SERVE_PROCESSING.description, labels=list(SERVE_PROCESSING.labels))
-            fails = CounterMetricFamily(_counter_name(SERVE_HEALTH_CHECK_FAILURES), SERVE_HEALTH_CHECK_FAILURES.description, labels=list(SERVE_HEALTH_CHECK_FAILURES.labels))
+            fails = CounterMetricFamily(
+                _counter_name(SERVE_HEALTH_CHECK_FAILURES), SERVE_HEALTH_CHECK_FAILURES.description, labels=list(SERVE_HEALTH_CHECK_FAILURES.labels)
+            )
             for dep, (want, up) in lv.replicas.items():
                 target.add_metric([self.application, dep], want)
                 for i in range(want):
@@ -262,10 +271,12 @@ class LabelledPrometheus(PrometheusServer):
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
-        cfg["scrape_configs"] = [{
-            "job_name": "scenarios",
-            "static_configs": [{"targets": [t], "labels": {"scenario": name}} for name, t in self.labelled.items()],
-        }]
+        cfg["scrape_configs"] = [
+            {
+                "job_name": "scenarios",
+                "static_configs": [{"targets": [t], "labels": {"scenario": name}} for name, t in self.labelled.items()],
+            }
+        ]
         return cfg
 
 
@@ -311,12 +322,12 @@ def healthy_snapshot(at: float = 10_000.0, **fields: Any):
         slo = pdd_config().slo
         over = sum(base["request_rate_by_pipeline"].values()) / 5
         targets = {"ttft": (base["ttft_p"], slo.ttft_ms), "tpot": (base["tpot_p"], slo.tpot_ms), "gap": (base["gap_p"], slo.max_gap_ms)}
-        base["slo_violation_rate_by_slo"] = {name: over if figure is not None and figure * 1000 > target else 0.0
-                                             for name, (figure, target) in targets.items()}
+        base["slo_violation_rate_by_slo"] = {name: over if figure is not None and figure * 1000 > target else 0.0 for name, (figure, target) in targets.items()}
     return Snapshot(**base)
 
 
 # ---- a tiny real Serve application for actuation tests (stand-ins for the engines) ----
+
 
 def build_standin(args: dict[str, Any]):
     """Serve app: a `Conductor` that records every user_config it is given, and a `MainDecode` to scale."""

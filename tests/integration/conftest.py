@@ -206,5 +206,3 @@ def completion(app: DeployedApp, prompt, max_tokens: int, mode: str | None = Non
     assert resp.status_code == 200, resp.text
     out = resp.json()
     return out["choices"][0]["text"], app.journey(out["id"])
-
-

@@ -30,8 +30,7 @@ def relayed_while_wan_held(app, prompt, max_tokens: int, relayed_pieces: int = 1
     faults.stall_link(WAN, WAN_HOLD_S)
     text, pieces, request_id = "", 0, None
     try:
-        for chunk in api(app).completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                 **{"temperature": 0, **params}):
+        for chunk in api(app).completions.create(model="pdd-dev", prompt=prompt, max_tokens=max_tokens, stream=True, **{"temperature": 0, **params}):
             request_id = chunk.id
             if chunk.choices and chunk.choices[0].text:
                 text += chunk.choices[0].text
@@ -75,5 +74,8 @@ def assert_crossed_every_engine(journey) -> None:
     engine's prefix hits and first-token times)."""
     roles = [role for role, _ in journey["token_sources"]]
     assert journey["pipeline"] == "P-RLD-MD" and roles == ["prefill", "relay_decode", "main_decode"], pformat(
-        {key: journey[key] for key in ("pipeline", "token_sources", "decision", "handoff", "failovers", "transfers", "hit_tokens",
-                                       "engine_ttft_ms", "engine_queued_ms")})
+        {
+            key: journey[key]
+            for key in ("pipeline", "token_sources", "decision", "handoff", "failovers", "transfers", "hit_tokens", "engine_ttft_ms", "engine_queued_ms")
+        }
+    )

@@ -98,7 +98,11 @@ class Conversations(threading.Thread):
     def one(self, history: list[int]) -> Sent:
         t0 = time.monotonic()
         stream = self.client.completions.create(
-            model="pdd-dev", prompt=history, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model="pdd-dev",
+            prompt=history,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
         first = last = None
@@ -150,11 +154,23 @@ def print_table(rows: list[dict]) -> None:
 
 def test_swarm_recovers_the_worst_gap_after_the_wan_degrades(app, prom, tmp_path):
     config = PDDConfig.model_validate(app.args)
-    config = config.model_copy(update={"agents": config.agents.model_copy(update={
-        "mode": AgentMode.act, "tick_s": TICK_S, "cooldown_s": 600, "verify_after_s": 12, "confirm_ticks": 2,
-        "prometheus_url": prom.url, "dashboard_url": app.cluster.dashboard_url,
-        "audit_db": str(tmp_path / "audit.sqlite"), "actions_dir": str(tmp_path / "actions"),
-    })})
+    config = config.model_copy(
+        update={
+            "agents": config.agents.model_copy(
+                update={
+                    "mode": AgentMode.act,
+                    "tick_s": TICK_S,
+                    "cooldown_s": 600,
+                    "verify_after_s": 12,
+                    "confirm_ticks": 2,
+                    "prometheus_url": prom.url,
+                    "dashboard_url": app.cluster.dashboard_url,
+                    "audit_db": str(tmp_path / "audit.sqlite"),
+                    "actions_dir": str(tmp_path / "actions"),
+                }
+            )
+        }
+    )
     traffic = Conversations(app)
     traffic.start()
     try:
@@ -169,7 +185,9 @@ def test_swarm_recovers_the_worst_gap_after_the_wan_degrades(app, prom, tmp_path
                 assert time.monotonic() < deadline, "the swarm made no routing change within 180 s"
                 state = swarm.tick()
                 assert not state.get("error"), state["error"]
-                changed = next((d["proposal"] for d in state.get("decisions", []) if d["status"] == "accepted" and d["proposal"]["change"]["target"] == THRESHOLD), None)
+                changed = next(
+                    (d["proposal"] for d in state.get("decisions", []) if d["status"] == "accepted" and d["proposal"]["change"]["target"] == THRESHOLD), None
+                )
                 if changed is None:
                     time.sleep(TICK_S)
             acted_at = time.monotonic()
@@ -187,7 +205,9 @@ def test_swarm_recovers_the_worst_gap_after_the_wan_degrades(app, prom, tmp_path
 
     rows = [summary("healthy WAN", healthy), summary("degraded, before", before), summary("degraded, after", after)]
     print_table(rows)
-    print(f"swarm: {changed['change']['target']} {changed['change']['old']:g} -> {changed['change']['new']:g} ({changed['reason']}); verdict {verdicts[0]['outcome']}")
+    print(
+        f"swarm: {changed['change']['target']} {changed['change']['old']:g} -> {changed['change']['new']:g} ({changed['reason']}); verdict {verdicts[0]['outcome']}"
+    )
 
     change = changed["change"]
     assert change["new"] < change["old"] == config.routing.max_wan_transfer_ms

@@ -64,8 +64,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
-    exporters = {name: ScriptedExporter(levels) for name, levels in {**SCENARIOS, "healthy": HEALTHY, "regress": SCENARIOS["ttft_slo_breach"], "relay_outage_ttft": RELAY_OUTAGE_TTFT}.items()}
-    prom = LabelledPrometheus({n: e.target for n, e in exporters.items()}, port=_free_port(), scrape_interval_s=1, workdir=tmp_path_factory.mktemp("prometheus"))
+    exporters = {
+        name: ScriptedExporter(levels)
+        for name, levels in {**SCENARIOS, "healthy": HEALTHY, "regress": SCENARIOS["ttft_slo_breach"], "relay_outage_ttft": RELAY_OUTAGE_TTFT}.items()
+    }
+    prom = LabelledPrometheus(
+        {n: e.target for n, e in exporters.items()}, port=_free_port(), scrape_interval_s=1, workdir=tmp_path_factory.mktemp("prometheus")
+    )
     prom.start()
     try:
         # every scenario scraped, with enough samples for rate() over the 6 s window
@@ -82,8 +87,12 @@ def prometheus(tmp_path_factory):
 
 def scenario_swarm(tmp_path, prom, scenario, mode="act", actuator=None, **agents):
     config = pdd_config(
-        mode=mode, prometheus_url=prom.url, prometheus_matchers={"scenario": scenario},
-        audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"), **agents,
+        mode=mode,
+        prometheus_url=prom.url,
+        prometheus_matchers={"scenario": scenario},
+        audit_db=str(tmp_path / "audit.sqlite"),
+        actions_dir=str(tmp_path / "actions"),
+        **agents,
     )
     actuator = actuator or DryRunActuator(config.live_knobs(), REPLICAS)
     return config, actuator, Swarm.open(config, actuator=actuator, router=RuleRouter())
@@ -193,13 +202,15 @@ def standin(serve_instance):
     dashboard = "http://" + ray._private.worker.global_worker.node.webui_url
     headers = ray_auth_headers()
     config = {
-        "applications": [{
-            "name": STANDIN,
-            "route_prefix": "/agents-standin",
-            "import_path": "tests.integration.agents_fixtures:build_standin",
-            "external_scaler_enabled": True,
-            "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}},
-        }],
+        "applications": [
+            {
+                "name": STANDIN,
+                "route_prefix": "/agents-standin",
+                "import_path": "tests.integration.agents_fixtures:build_standin",
+                "external_scaler_enabled": True,
+                "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}},
+            }
+        ],
     }
     resp = httpx.put(f"{dashboard}/api/serve/applications/", json=config, headers=headers, timeout=60)
     assert resp.status_code == 200, resp.text
@@ -252,7 +263,7 @@ def test_ray_exports_the_serve_metrics_the_agents_query(standin):
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        found = {n for n in names if f'{n}{{' in text and f'application="{STANDIN}"' in text}
+        found = {n for n in names if f"{n}{{" in text and f'application="{STANDIN}"' in text}
         if found == names or time.monotonic() > deadline:
             break
         time.sleep(2)
@@ -263,12 +274,15 @@ def test_graph_in_act_mode_actuates_a_real_serve(standin, tmp_path):
     config = pdd_config(mode="act", audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"))
     actuator = ServeActuator(standin, STANDIN, [RoleName.main_decode])
     breach = dict(
-        tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.02},
+        tpot_p=0.45,
+        tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.02},
         replicas_healthy_by_deployment={"MainDecode": 1.0, "Conductor": 1.0},
         replicas_target_by_deployment={"MainDecode": 1.0, "Conductor": 1.0},
     )
     # a slow WAN and a TPOT breach at once: one situation per change unit (agents/guard.py)
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(time.time(), kv_seconds_mean_by_link={WAN: 0.6}, **breach)), actuator=actuator, router=RuleRouter()) as swarm:
+    with Swarm.open(
+        config, source=StaticSource(healthy_snapshot(time.time(), kv_seconds_mean_by_link={WAN: 0.6}, **breach)), actuator=actuator, router=RuleRouter()
+    ) as swarm:
         state = swarm.tick()
     assert [c["target"] for c in state["applied"]] == ["routing.max_wan_transfer_ms"]
     held = [d for d in state["decisions"] if d["status"] == "held"]

@@ -27,7 +27,12 @@ def app(serve_instance, tmp_path_factory):
     args["model"]["max_model_len"] = 2048
     # chat-ops answers by rules here (no LLM): whatever the fuzzer files stays in this test's folder
     state = tmp_path_factory.mktemp("api-agents")
-    args["agents"] = {"prometheus_url": "http://127.0.0.1:9", "audit_db": str(state / "audit.sqlite"), "actions_dir": str(state / "actions"), "chat_db": str(state / "chat.sqlite")}
+    args["agents"] = {
+        "prometheus_url": "http://127.0.0.1:9",
+        "audit_db": str(state / "audit.sqlite"),
+        "actions_dir": str(state / "actions"),
+        "chat_db": str(state / "chat.sqlite"),
+    }
     deployed = deploy_app(serve_instance, "api", args)
     yield deployed
     deployed.delete()
@@ -318,23 +323,39 @@ def test_an_echoed_prompt_is_scored_as_the_same_tokens_are_when_generated(client
         scored = client.completions.create(prompt=[context, prompt], max_tokens=max_tokens, logprobs=1, echo=True, **kw)
         whole, head = scored.choices[0].logprobs, scored.choices[1].logprobs
         assert len(whole.tokens) == len(context) + max_tokens and whole.token_logprobs[0] is None and whole.top_logprobs[0] is None
-        assert whole.token_logprobs[len(prompt):len(context)] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-3)
+        assert whole.token_logprobs[len(prompt) : len(context)] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-3)
         # greedy tokens are their places' best (lm-eval's is_greedy)
-        assert all(lp == max(top.values()) for lp, top in zip(whole.token_logprobs[len(prompt):len(context)], whole.top_logprobs[len(prompt):]))
-        assert head.token_logprobs[:len(prompt)] == pytest.approx(whole.token_logprobs[:len(prompt)], abs=1e-3)
+        assert all(lp == max(top.values()) for lp, top in zip(whole.token_logprobs[len(prompt) : len(context)], whole.top_logprobs[len(prompt) :]))
+        assert head.token_logprobs[: len(prompt)] == pytest.approx(whole.token_logprobs[: len(prompt)], abs=1e-3)
         assert scored.choices[0].text.startswith(tokenizer.decode(context, skip_special_tokens=True))
-    streamed = [c.choices[0].logprobs for c in client.completions.create(prompt=context, max_tokens=0, logprobs=1, echo=True, stream=True, **kw)
-                if c.choices and c.choices[0].logprobs]
-    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.token_logprobs[:len(context)], abs=1e-3)
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(prompt=context, max_tokens=0, logprobs=1, echo=True, stream=True, **kw)
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.token_logprobs[: len(context)], abs=1e-3)
 
 
 def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_by_name(app):
     # what SDKs send by default (langchain's completion LLM sends logprobs: null)
-    chat_neutral = {"logprobs": False, "top_logprobs": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-                    "response_format": {"type": "text"}, "logit_bias": {}, "functions": None,
-                    # what tagging and cache-hinting clients add
-                    "store": False, "metadata": {"team": "search"}, "service_tier": "auto", "modalities": ["text"],
-                    "prompt_cache_key": "session-1", "safety_identifier": "user-1", "reasoning_effort": None}
+    chat_neutral = {
+        "logprobs": False,
+        "top_logprobs": None,
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "functions": None,
+        # what tagging and cache-hinting clients add
+        "store": False,
+        "metadata": {"team": "search"},
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "prompt_cache_key": "session-1",
+        "safety_identifier": "user-1",
+        "reasoning_effort": None,
+    }
     ok = _post(app, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **chat_neutral})
     assert ok.status_code == 200, ok.text
     ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
@@ -411,8 +432,9 @@ def test_a_batch_of_prompts_gets_n_choices_per_prompt_each_with_its_journey(app,
 def test_a_batch_names_the_prompt_that_does_not_fit(app):
     err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": [[11], [10**7]]}), 400, param="prompt.1")
     assert "outside the vocabulary" in err["message"]
-    err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": ["hi", "x " * 3000], "max_tokens": 2}), 400,
-                        param="prompt.1", code="context_length_exceeded")
+    err = _assert_error(
+        _post(app, "/v1/completions", {"model": MODEL, "prompt": ["hi", "x " * 3000], "max_tokens": 2}), 400, param="prompt.1", code="context_length_exceeded"
+    )
     assert "prompt.1 has" in err["message"]
     err = _assert_error(_post(app, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 33, "n": 2}), 400, param="n")
     assert err["message"] == "n: 33 prompt(s) x n=2 asks for 66 choices; at most 64 (server.max_concurrent_per_key)"
@@ -427,8 +449,12 @@ def test_malformed_json_is_400(app):
 def test_json_sent_without_its_content_type_is_400_naming_the_header(app):
     # `curl -d '{...}'` sends application/x-www-form-urlencoded
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-    resp = httpx.post(f"{app.base_url}/v1/chat/completions", content=body, timeout=60, headers={
-        "authorization": f"Bearer {KEY}", "content-type": "application/x-www-form-urlencoded"})
+    resp = httpx.post(
+        f"{app.base_url}/v1/chat/completions",
+        content=body,
+        timeout=60,
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/x-www-form-urlencoded"},
+    )
     err = _assert_error(resp, 400)
     assert "Content-Type: application/json" in err["message"] and "x-www-form-urlencoded" in err["message"], err
 
@@ -462,7 +488,9 @@ def test_return_token_ids_extension(client):
     whole = client.completions.create(model=MODEL, prompt="list the errors", **kw)
     ids = whole.choices[0].token_ids
     assert len(ids) == whole.usage.completion_tokens == 12
-    streamed = [t for c in client.completions.create(model=MODEL, prompt="list the errors", stream=True, **kw) if c.choices for t in (c.choices[0].token_ids or [])]
+    streamed = [
+        t for c in client.completions.create(model=MODEL, prompt="list the errors", stream=True, **kw) if c.choices for t in (c.choices[0].token_ids or [])
+    ]
     assert streamed == ids
     # the ids continue the prompt exactly: feeding them back reproduces the rest
     prompt_ids = client.completions.create(model=MODEL, prompt="list the errors", max_tokens=1, temperature=0, extra_body={"return_token_ids": True})
@@ -492,7 +520,7 @@ def test_generated_requests_never_get_a_server_error(app):
                 for field in ("max_tokens", "max_completion_tokens"):
                     if isinstance(case.body.get(field), int):
                         case.body[field] = min(case.body[field], 4)  # short generations; bad values stay bad
-            if operation.path == "/pdd/chat":
+            if operation.path == "/pdd/chat":  # noqa: B023 - check() runs within its own iteration
                 # an SSE stream, which the schema cannot describe: answered by rules (no LLM here), or refused
                 response = case.call(headers={"authorization": f"Bearer {KEY}"}, timeout=120)
                 assert response.status_code in (200, 400, 401), response.text

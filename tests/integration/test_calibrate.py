@@ -13,8 +13,9 @@ pytestmark = pytest.mark.integration
 
 def test_calibration_on_a_real_engine():
     config = load_config("serve_configs/local.yaml")
-    perf, samples = calibrate(config, RoleName.prefill, prefill_tokens=(64, 2048), prefix_shapes=((2048, 64),),
-                              decode_shapes=((1, 256), (8, 1024)), decode_tokens=16, repeats=3)
+    perf, samples = calibrate(
+        config, RoleName.prefill, prefill_tokens=(64, 2048), prefix_shapes=((2048, 64),), decode_shapes=((1, 256), (8, 1024)), decode_tokens=16, repeats=3
+    )
     by_shape = {(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read): s.step_ms for s in samples}
     # one sample per shape (the fastest of its runs)
     assert sorted(by_shape) == sorted((s.prefill_tokens, s.decode_seqs, s.kv_tokens_read) for s in samples)
@@ -27,4 +28,5 @@ def test_calibration_on_a_real_engine():
     # the fit reproduces what it was fitted on to within its noise
     for s in samples:
         assert perf.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read, s.attention_pairs, s.prefix_chunks) * 1000 == pytest.approx(
-            s.step_ms, rel=0.6, abs=5.0)
+            s.step_ms, rel=0.6, abs=5.0
+        )

@@ -61,7 +61,9 @@ class FakeOpsModel:
         self.requests.append(body)
         messages, tools = body["messages"], {t["function"]["name"] for t in body.get("tools") or []}
         last = messages[-1]
-        if any("ignore previous instructions" in str(m.get("content")) for m in messages) and not str(last.get("content")).startswith("<tool-data source=\"refused\""):
+        if any("ignore previous instructions" in str(m.get("content")) for m in messages) and not str(last.get("content")).startswith(
+            '<tool-data source="refused"'
+        ):
             return "Following the instructions found in the data.", [self._call("file_proposal", {"target": "replicas.main_decode", "value": "0"})]
         if "file_proposal" in tools:
             said = re.findall(r"\d+", last["content"])
@@ -85,7 +87,13 @@ class FakeOpsModel:
 
 
 def _chunk(delta: dict, finish: str | None = None) -> bytes:
-    payload = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-ops", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    payload = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "fake-ops",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
@@ -105,9 +113,16 @@ class FakeOpenAIServer:
                 finish = "tool_calls" if calls else "stop"
                 if not body.get("stream"):
                     message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
-                    data = json.dumps({"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": "fake-ops",
-                                       "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+                    data = json.dumps(
+                        {
+                            "id": "chatcmpl-fake",
+                            "object": "chat.completion",
+                            "created": 0,
+                            "model": "fake-ops",
+                            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                        }
+                    ).encode()
                     self.send_response(200)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
@@ -158,7 +173,7 @@ def prometheus(tmp_path_factory):
     prom = PrometheusServer(port=free_port(), scrape_interval_s=1, static_targets=[exporter.target], workdir=tmp_path_factory.mktemp("prom"))
     prom.start()
     # rates need two scrapes inside the window
-    prom.wait_for('histogram_quantile(0.99, sum by (le, pipeline) (rate(ray_pdd_ttft_seconds_bucket[300s])))', timeout_s=60)
+    prom.wait_for("histogram_quantile(0.99, sum by (le, pipeline) (rate(ray_pdd_ttft_seconds_bucket[300s])))", timeout_s=60)
     yield prom
     prom.stop()
     exporter.stop()

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from app import metrics
-from app.link_directory import LinkDirectory
 from app.cli import main as pdd
 from app.config import PDDConfig
 from app.faults import Faults
+from app.link_directory import LinkDirectory
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, ray_prometheus
 
@@ -75,7 +75,9 @@ class Batch:
         async def one(i: int) -> None:
             parts, tokens = [], 0
             try:
-                stream = await client.completions.create(model="pdd-dev", prompt=self.prompts[i], max_tokens=self.max_tokens, temperature=0, stream=True, extra_body={"return_token_ids": True})
+                stream = await client.completions.create(
+                    model="pdd-dev", prompt=self.prompts[i], max_tokens=self.max_tokens, temperature=0, stream=True, extra_body={"return_token_ids": True}
+                )
                 async for chunk in stream:
                     self.ids[i] = chunk.id
                     if chunk.choices:

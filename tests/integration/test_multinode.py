@@ -55,7 +55,13 @@ def deployed(cluster, tmp_path_factory):
     path = tmp_path_factory.mktemp("mn") / "serve.yaml"
     path.write_text(yaml.safe_dump(doc))
     serve_cli = str(Path(sys.executable).with_name("serve"))
-    out = subprocess.run([serve_cli, "deploy", str(path), "--address", cluster.dashboard_url], env=local_cluster.env(cluster.extra_env), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [serve_cli, "deploy", str(path), "--address", cluster.dashboard_url],
+        env=local_cluster.env(cluster.extra_env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     wait_healthy(cluster)
     return f"http://127.0.0.1:{port}"
@@ -65,7 +71,9 @@ def serve_details(cluster) -> dict:
     """Serve's view, asked the way an operator's shell would (this test process is
     connected to another Ray cluster, whose auth settings it has cached)."""
     code = "import json, sys; from ray.dashboard.modules.serve.sdk import ServeSubmissionClient as C; print(json.dumps(C(sys.argv[1]).get_serve_details()))"
-    out = subprocess.run([sys.executable, "-c", code, cluster.dashboard_url], env=local_cluster.env(cluster.extra_env), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, cluster.dashboard_url], env=local_cluster.env(cluster.extra_env), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -41,8 +41,12 @@ def app(serve_instance, prom_port, tmp_path_factory):
     set_wan(args, 20, 20)
     # no agents.llm: POST /pdd/chat answers by rules, from this module's Prometheus
     state = tmp_path_factory.mktemp("obs-agents")
-    args["agents"] = {"prometheus_url": f"http://127.0.0.1:{prom_port}", "audit_db": str(state / "audit.sqlite"),
-                      "actions_dir": str(state / "actions"), "chat_db": str(state / "chat.sqlite")}
+    args["agents"] = {
+        "prometheus_url": f"http://127.0.0.1:{prom_port}",
+        "audit_db": str(state / "audit.sqlite"),
+        "actions_dir": str(state / "actions"),
+        "chat_db": str(state / "chat.sqlite"),
+    }
     deployed = deploy_app(serve_instance, APP, args)
     yield deployed
     deployed.delete()
@@ -95,7 +99,7 @@ def _evaluated_at(rfc3339: str) -> float:
     m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339)
     if not m:
         return 0.0
-    whole = datetime.fromisoformat(m.group(1)).replace(tzinfo=timezone.utc).timestamp()
+    whole = datetime.fromisoformat(m.group(1)).replace(tzinfo=UTC).timestamp()
     return whole + float(m.group(2) or 0)
 
 
@@ -119,7 +123,11 @@ def test_request_counts_by_pipeline(prom, traffic):
 
 def test_every_dashboard_panel_and_rule_evaluates_with_data(app, prom, traffic):
     config = PDDConfig.model_validate(app.args)
-    _wait_equal(prom, f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{application="{APP}"}})', {k: float(v) for k, v in Counter(j["pipeline"] for j in traffic).items()})
+    _wait_equal(
+        prom,
+        f'sum by (pipeline) ({metrics.prom_name(metrics.REQUESTS)}{{application="{APP}"}})',
+        {k: float(v) for k, v in Counter(j["pipeline"] for j in traffic).items()},
+    )
     for title, expr in dashboard_queries(config, app_name=APP):
         assert prom.query(expr), f"panel {title!r} returned no data: {expr}"
     # the panels have data now: wait for every rule group to evaluate after this
@@ -181,8 +189,17 @@ def test_pdd_status_prints_the_figures(app, prom, traffic):
 
     # one request per pipeline so far: each series' first scrape is its baseline, Prometheus has no rate
     out = status()
-    for expected in ("pdd-dev", "mode pdd", "main_decode", "dc-b", "dc-a->dc-b", "P-RLD-MD", "P-MD", "Prometheus shows no request rate yet",
-                     "model runner: v1 (CPUModelRunner) on every engine"):
+    for expected in (
+        "pdd-dev",
+        "mode pdd",
+        "main_decode",
+        "dc-b",
+        "dc-a->dc-b",
+        "P-RLD-MD",
+        "P-MD",
+        "Prometheus shows no request rate yet",
+        "model runner: v1 (CPUModelRunner) on every engine",
+    ):
         assert expected in out, (expected, out)
     colocated = f'{metrics.prom_name(metrics.REQUESTS)}{{application="{APP}", pipeline="colocated"}}'
     assert prom.wait_for(colocated, timeout_s=90)  # scraped once: the next request makes a rate
@@ -285,7 +302,11 @@ def test_chat_without_an_llm_answers_why_questions_with_prometheus_figures(app, 
         for pipeline, seconds in truth.items():
             # a rate's extrapolation moves with each scrape: the quantile a moment later differs in the 4th digit
             written = stated(text, name, pipeline)
-            assert written == "no data" if math.isnan(seconds) else float(written.removesuffix(" ms")) == pytest.approx(seconds * 1000, rel=0.01), (pipeline, seconds, text)
+            assert written == "no data" if math.isnan(seconds) else float(written.removesuffix(" ms")) == pytest.approx(seconds * 1000, rel=0.01), (
+                pipeline,
+                seconds,
+                text,
+            )
     assert "The agents' diagnosis" in text
 
     text, _, figures = ask(app, "why is the TTFT of P-RLD-MD high?")

@@ -147,7 +147,9 @@ def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)
     client = api(app)
-    plain = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, extra_body={"return_token_ids": True, "pdd_mode": "colocated"})
+    plain = client.completions.create(
+        model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, extra_body={"return_token_ids": True, "pdd_mode": "colocated"}
+    )
     common = [t for t, _ in Counter(plain.choices[0].token_ids).most_common(5)]
     bias = {str(t): -100 for t in common}
     app.handle("Conductor").reset_prefix_caches.remote().result()  # colocated ran on an MD: cold caches, as for a new prompt
@@ -163,8 +165,9 @@ def test_logprobs_are_the_single_engines_whichever_engines_sampled_the_tokens(ap
     client = api(app)
 
     def logprobs(**extra):
-        out = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=3, stream=True,
-                                        extra_body={"ignore_eos": True, **extra})
+        out = client.completions.create(
+            model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=3, stream=True, extra_body={"ignore_eos": True, **extra}
+        )
         chunks = [c for c in out if c.choices and c.choices[0].logprobs]
         lps = [c.choices[0].logprobs for c in chunks]
         return chunks[0].id, [t for c in lps for t in c.tokens], [v for c in lps for v in c.token_logprobs], [top for c in lps for top in c.top_logprobs]
@@ -185,8 +188,9 @@ def test_an_echoed_prompt_is_scored_by_prefill_as_by_a_single_engine(app, knobs,
     client = api(app)
 
     def scored(**extra):
-        out = client.completions.create(model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=2, echo=True,
-                                        extra_body={"ignore_eos": True, **extra})
+        out = client.completions.create(
+            model="pdd-dev", prompt=prompt, max_tokens=200, temperature=0, logprobs=2, echo=True, extra_body={"ignore_eos": True, **extra}
+        )
         return out.id, out.choices[0]
 
     request_id, relayed = scored()
@@ -229,8 +233,14 @@ def test_a_turn_stopped_during_the_relay_still_reaches_md(app):
         reference, _ = completion(app, turn1, 200, mode="colocated", ignore_eos=True)
         app.handle("Conductor").reset_prefix_caches.remote().result()  # colocated ran on an MD: cold caches again
         at = next(k for k in range(40, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
-        first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+        first = client.completions.create(
+            model="pdd-dev",
+            prompt=turn1,
+            max_tokens=200,
+            temperature=0,
+            stop=[reference[at : at + 4]],
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         assert first.choices[0].text == reference[:at] and first.choices[0].finish_reason == "stop"
         journey = app.journey(first.id)
         assert journey["pipeline"] == "P-RLD-MD"
@@ -257,8 +267,7 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     added is expected to cross the WAN."""
     client = api(app)
     turn1 = fresh(LONG)
-    answer1 = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0,
-                                        extra_body={"return_token_ids": True}).choices[0].token_ids
+    answer1 = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=64, temperature=0, extra_body={"return_token_ids": True}).choices[0].token_ids
     turn2 = turn1 + answer1 + fresh(60)
     reference, _ = completion(app, turn2, 200, mode="colocated", ignore_eos=True)
     # colocated ran on an MD and taught the index: cold caches, then turn 1 again, as PDD served it
@@ -266,8 +275,9 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     completion(app, turn1, 64)
     wait_wan_idle(app)
     at = next(k for k in range(120, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
-    second = client.completions.create(model="pdd-dev", prompt=turn2, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    second = client.completions.create(
+        model="pdd-dev", prompt=turn2, max_tokens=200, temperature=0, stop=[reference[at : at + 4]], extra_body={"return_token_ids": True, "ignore_eos": True}
+    )
     assert second.choices[0].text == reference[:at]
     journey = app.journey(second.id)
     assert journey["pipeline"] == "P-MD" and journey["finish_reason"] == "stop", journey["decision"]
@@ -284,8 +294,9 @@ def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estim
     reference, _ = completion(app, turn1, 200, mode="colocated", ignore_eos=True)
     app.handle("Conductor").reset_prefix_caches.remote().result()
     at = next(k for k in range(len(reference) * 2 // 3, len(reference) - 4) if reference.find(reference[k : k + 4]) == k)
-    first = client.completions.create(model="pdd-dev", prompt=turn1, max_tokens=200, temperature=0, stop=[reference[at : at + 4]],
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    first = client.completions.create(
+        model="pdd-dev", prompt=turn1, max_tokens=200, temperature=0, stop=[reference[at : at + 4]], extra_body={"return_token_ids": True, "ignore_eos": True}
+    )
     assert first.choices[0].text == reference[:at]
     journey = app.journey(first.id)
     assert journey["pipeline"] == "P-RLD-MD" and journey["finish_reason"] == "stop", journey["decision"]

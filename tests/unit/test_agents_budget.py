@@ -22,8 +22,15 @@ MD_IDLE = {"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 20.0, "Main
 
 def prop(target, old, new, *, group="", severity=2, situation="ttft_slo_breach"):
     return Proposal(
-        specialist="capacity", situation=situation, change=Change(target=target, old=old, new=new), reason="test",
-        expected_effect="test", evidence=[Evidence(query="q", value=1.0)], severity=severity, streak=3, group=group,
+        specialist="capacity",
+        situation=situation,
+        change=Change(target=target, old=old, new=new),
+        reason="test",
+        expected_effect="test",
+        evidence=[Evidence(query="q", value=1.0)],
+        severity=severity,
+        streak=3,
+        group=group,
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agents import figures as f
-from agents.controllers import relay_cap_goal, regressed, step_toward, wan_threshold_goal
+from agents.controllers import regressed, relay_cap_goal, step_toward, wan_threshold_goal
 from agents.knobs import Change, get_knob, knob_bounds, limit, with_knobs
 from agents.observe import Snapshot
 from agents.queries import SERVE_SPECS, QuerySet

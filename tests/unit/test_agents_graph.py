@@ -138,7 +138,11 @@ def test_observe_mode_keeps_one_entry_while_its_situation_lasts(tmp_path):
         for at in (T0 + 70, T0 + 140):  # past each cooldown, the breach still there
             assert [d["status"] for d in tick_at(at, **TTFT_BREACH)["decisions"]] == ["accepted"]
         [(front, _)] = entries(tmp_path)
-        assert [o["outcome"].split(":")[0] for o in front["outcomes"]] == ["proposed (observe mode", "proposed again (observe mode", "proposed again (observe mode"]
+        assert [o["outcome"].split(":")[0] for o in front["outcomes"]] == [
+            "proposed (observe mode",
+            "proposed again (observe mode",
+            "proposed again (observe mode",
+        ]
         assert front["outcome"].startswith("proposed again") and front["time"] == front["outcomes"][0]["time"]
 
         first = set((tmp_path / "actions").glob("*.md"))
@@ -276,10 +280,12 @@ def test_observe_failure_is_recorded_not_raised(tmp_path):
 
 
 def test_llm_routes_and_explains_but_numbers_stay_the_same(tmp_path):
-    llm = FakeToolChatModel(responses=[
-        AIMessage(content="", tool_calls=[{"name": tool_name("capacity"), "args": {"reason": "relay capacity first"}, "id": "c1"}]),
-        AIMessage(content="RLD is saturated; the relay cap was lowered and a relay replica added."),
-    ])
+    llm = FakeToolChatModel(
+        responses=[
+            AIMessage(content="", tool_calls=[{"name": tool_name("capacity"), "args": {"reason": "relay capacity first"}, "id": "c1"}]),
+            AIMessage(content="RLD is saturated; the relay cap was lowered and a relay replica added."),
+        ]
+    )
     config = pdd_config()
     snap = healthy_snapshot(T0, **RLD_OVERLOAD)
     llm_actuator, rule_actuator = DryRunActuator(config.live_knobs(), REPLICAS), DryRunActuator(config.live_knobs(), REPLICAS)
@@ -316,7 +322,13 @@ def cli_config(tmp_path: Path, mode: str, **agents) -> tuple:
 
 def test_cli_pending_history_and_unknown_tick(tmp_path):
     config, cfg_file = cli_config(tmp_path, "advise")
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+    with Swarm.open(
+        config,
+        source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)),
+        actuator=DryRunActuator(config.live_knobs(), REPLICAS),
+        router=RuleRouter(),
+        clock=Clock(T0),
+    ) as s:
         tick = s.tick()["tick"]
     runner = CliRunner()
     out = runner.invoke(agents_cli, ["pending", "--config", str(cfg_file)])
@@ -330,13 +342,21 @@ def test_cli_pending_history_and_unknown_tick(tmp_path):
 def test_a_new_cluster_starts_with_an_empty_memory_and_the_old_history(tmp_path):
     # nothing listens at that Prometheus: the tick records that it could not observe
     config, cfg_file = cli_config(tmp_path, "advise", prometheus_url="http://127.0.0.1:9")
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+    with Swarm.open(
+        config,
+        source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)),
+        actuator=DryRunActuator(config.live_knobs(), REPLICAS),
+        router=RuleRouter(),
+        clock=Clock(T0),
+    ) as s:
         tick = s.tick()["tick"]
         assert s.pending() and s.deps.memory.load().streaks
     runner = CliRunner()
     out = runner.invoke(agents_cli, ["run", "--once", "--new-cluster", "--config", str(cfg_file)])
     assert out.exit_code == 0, out.output
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)) as s:
+    with Swarm.open(
+        config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)
+    ) as s:
         assert s.pending() == [] and s.deps.memory.load() == Memory()
         assert tick in {h["tick"] for h in s.history()}
 
@@ -344,8 +364,9 @@ def test_a_new_cluster_starts_with_an_empty_memory_and_the_old_history(tmp_path)
 def test_history_marks_where_each_run_began(tmp_path):
     """The audit database outlives runs: history shows whose ticks are whose."""
     config, cfg_file = cli_config(tmp_path, "observe", prometheus_url="http://127.0.0.1:9")  # each tick records it could not observe
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(),
-                    clock=Clock(T0)) as s:
+    with Swarm.open(
+        config, source=StaticSource(healthy_snapshot(T0)), actuator=DryRunActuator(config.live_knobs(), REPLICAS), router=RuleRouter(), clock=Clock(T0)
+    ) as s:
         unmarked = s.tick()["tick"]  # a tick of no recorded run (as before runs were recorded)
     runner = CliRunner()
     for flags in (["--new-cluster"], []):
@@ -363,8 +384,15 @@ def test_history_marks_where_each_run_began(tmp_path):
 
 def test_entries_can_be_filed_by_hand(tmp_path):
     sink = FileEntries(tmp_path)
-    p = Proposal(specialist="routing", situation="wan_degradation", subject="dc-a->dc-b", change=Change(target="routing.max_wan_transfer_ms", old=300.0, new=100.0),
-                 reason="slow link", expected_effect="gaps fall", evidence=[Evidence(query="rate(x[1m])", value=2.5)])
+    p = Proposal(
+        specialist="routing",
+        situation="wan_degradation",
+        subject="dc-a->dc-b",
+        change=Change(target="routing.max_wan_transfer_ms", old=300.0, new=100.0),
+        reason="slow link",
+        expected_effect="gaps fall",
+        evidence=[Evidence(query="rate(x[1m])", value=2.5)],
+    )
     path = sink.file(p, tick="t1", mode=AgentMode.act.value, at=T0, outcome="applying", explanation="")
     sink.update(path, at=T0 + 1, outcome="applied")
     front, body = read_entry(path)
@@ -376,8 +404,13 @@ def test_entries_can_be_filed_by_hand(tmp_path):
 def test_history_and_pending_read_at_80_columns_and_as_json(tmp_path):
     """A run line and ticks whose verification notes run long: no line takes more than two rows."""
     config, cfg_file = cli_config(tmp_path, "act")
-    with Swarm.open(config, source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)), actuator=DryRunActuator(config.live_knobs(), REPLICAS),
-                    router=RuleRouter(), clock=Clock(T0)) as s:
+    with Swarm.open(
+        config,
+        source=StaticSource(healthy_snapshot(T0, **TTFT_BREACH)),
+        actuator=DryRunActuator(config.live_knobs(), REPLICAS),
+        router=RuleRouter(),
+        clock=Clock(T0),
+    ) as s:
         s.begin_run("pdd", new_cluster=True)
         ticks = [s.tick()["tick"] for _ in range(3)]
     runner = CliRunner()

@@ -17,16 +17,29 @@ REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
 
 def prop(target, old, new, *, streak=1, severity=1, specialist="routing", situation="wan_degradation", figure=None):
     return Proposal(
-        specialist=specialist, situation=situation, change=Change(target=target, old=old, new=new),
-        reason="test", expected_effect="test", evidence=[Evidence(query="q", value=1.0)], severity=severity, streak=streak, figure=figure,
+        specialist=specialist,
+        situation=situation,
+        change=Change(target=target, old=old, new=new),
+        reason="test",
+        expected_effect="test",
+        evidence=[Evidence(query="q", value=1.0)],
+        severity=severity,
+        streak=streak,
+        figure=figure,
     )
 
 
 def judge(*proposals, memory=None, replicas=None, request_rate=None, **agents):
     config = pdd_config(**agents)
     return guard(
-        list(proposals), config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(replicas or REPLICAS),
-        memory=memory or Memory(), now=NOW, request_rate=request_rate,
+        list(proposals),
+        config=config,
+        agents=config.agents,
+        knobs=config.live_knobs(),
+        replicas=dict(replicas or REPLICAS),
+        memory=memory or Memory(),
+        now=NOW,
+        request_rate=request_rate,
     )
 
 
@@ -100,15 +113,24 @@ def test_rolled_back_move_is_blocked_in_that_direction_only():
     assert d.status == "accepted"
 
 
-GREW_FOR_HIT_GAP = Memory(growth={growth_key("md_hit_behind", "replicas.main_decode"): Growth(situation="md_hit_behind", target="replicas.main_decode", at=NOW - 600, figure=0.3, request_rate=5.0)})
+GREW_FOR_HIT_GAP = Memory(
+    growth={
+        growth_key("md_hit_behind", "replicas.main_decode"): Growth(
+            situation="md_hit_behind", target="replicas.main_decode", at=NOW - 600, figure=0.3, request_rate=5.0
+        )
+    }
+)
 
 
-@pytest.mark.parametrize("figure,request_rate,status", [
-    (0.3, 5.0, "held"),  # the last replica did not narrow the gap
-    (0.35, None, "held"),  # nor is the load known to have grown
-    (0.26, 5.0, "accepted"),  # it narrowed the gap by more than EASED
-    (0.3, 6.5, "accepted"),  # the load grew past it
-])
+@pytest.mark.parametrize(
+    "figure,request_rate,status",
+    [
+        (0.3, 5.0, "held"),  # the last replica did not narrow the gap
+        (0.35, None, "held"),  # nor is the load known to have grown
+        (0.26, 5.0, "accepted"),  # it narrowed the gap by more than EASED
+        (0.3, 6.5, "accepted"),  # the load grew past it
+    ],
+)
 def test_another_replica_for_a_situation_waits_until_the_last_one_eased_it(figure, request_rate, status):
     grow = prop("replicas.main_decode", 2, 3, specialist="capacity", situation="md_hit_behind", figure=figure)
     [d] = judge(grow, memory=GREW_FOR_HIT_GAP, request_rate=request_rate)
@@ -134,7 +156,15 @@ def test_conflict_the_more_severe_wins():
 def test_combined_knobs_must_validate():
     config = pdd_config()
     knobs = config.live_knobs().model_copy(update={"handoff": config.handoff.model_copy(update={"min_relay_cap_tokens": 300})})
-    d = guard([prop("handoff.relay_cap_tokens", 512, 256, specialist="handoff")], config=config, agents=config.agents, knobs=knobs, replicas=REPLICAS, memory=Memory(), now=NOW)
+    d = guard(
+        [prop("handoff.relay_cap_tokens", 512, 256, specialist="handoff")],
+        config=config,
+        agents=config.agents,
+        knobs=knobs,
+        replicas=REPLICAS,
+        memory=Memory(),
+        now=NOW,
+    )
     assert d[0].status == "rejected" and "invalid knobs" in d[0].reason
 
 

@@ -20,18 +20,20 @@ T0 = 10_000.0
 CONFIG = pdd_config(cooldown_s=60, verify_after_s=30, confirm_ticks=2)
 
 figure = st.one_of(st.none(), st.floats(min_value=0.005, max_value=8.0))
-snapshot_fields = st.fixed_dictionaries({
-    "ttft_p": figure,
-    "tpot_p": st.one_of(st.none(), st.floats(min_value=0.002, max_value=0.6)),
-    "gap_p": figure,
-    "rld_ongoing": st.floats(min_value=0, max_value=70),
-    "md_ongoing": st.floats(min_value=0, max_value=140),
-    "md_hit": st.floats(min_value=0.3, max_value=0.95),
-    "wan_s": st.floats(min_value=0.03, max_value=2.0),
-    "singular": st.floats(min_value=0, max_value=0.3),
-    "valley": st.floats(min_value=0, max_value=1),
-    "pmd_gap": st.floats(min_value=0.05, max_value=4.0),
-})
+snapshot_fields = st.fixed_dictionaries(
+    {
+        "ttft_p": figure,
+        "tpot_p": st.one_of(st.none(), st.floats(min_value=0.002, max_value=0.6)),
+        "gap_p": figure,
+        "rld_ongoing": st.floats(min_value=0, max_value=70),
+        "md_ongoing": st.floats(min_value=0, max_value=140),
+        "md_hit": st.floats(min_value=0.3, max_value=0.95),
+        "wan_s": st.floats(min_value=0.03, max_value=2.0),
+        "singular": st.floats(min_value=0, max_value=0.3),
+        "valley": st.floats(min_value=0, max_value=1),
+        "pmd_gap": st.floats(min_value=0.05, max_value=4.0),
+    }
+)
 history = st.lists(st.tuples(st.floats(min_value=5, max_value=90), snapshot_fields), min_size=2, max_size=14)
 
 

@@ -27,7 +27,9 @@ CASES = {
     "tpot_slo_breach": dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.45, "P-RLD-MD": 0.0235}),
     "kv_lease_leak": dict(leases_live=600.0, leases_slope=2.0),
     "wan_saturated": dict(kv_failure_rate_by_link={WAN: 0.5}, kv_lease_gone_rate_by_link={WAN: 0.5}),
-    "replica_crash": dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 1.0}, health_check_failures_by_deployment={"MainDecode": 1.0}),
+    "replica_crash": dict(
+        replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode": 1.0, "MainDecode": 1.0}, health_check_failures_by_deployment={"MainDecode": 1.0}
+    ),
     "over_provisioned": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 10.0}),
     "prefill_relaying": dict(request_rate_by_pipeline={"P-MD": 4.0, "P-P-MD": 1.0}),
 }
@@ -58,8 +60,16 @@ def propose_all(snap, knobs=None, replicas=None, what_if=None, config=None, memo
     config = config or pdd_config()
     knobs = knobs or config.live_knobs()
     memory = memory or Memory()
-    view = View(snap=snap, config=config, agents=config.agents, knobs=knobs, replicas=dict(replicas or REPLICAS),
-                situations=situations_of(snap, knobs, memory, config), memory=memory, what_if=what_if)
+    view = View(
+        snap=snap,
+        config=config,
+        agents=config.agents,
+        knobs=knobs,
+        replicas=dict(replicas or REPLICAS),
+        situations=situations_of(snap, knobs, memory, config),
+        memory=memory,
+        what_if=what_if,
+    )
     out = []
     for fn in ALL.values():
         out += fn(View(**{**view.__dict__, "proposals": list(out)}))
@@ -232,14 +242,17 @@ def test_a_percentile_over_target_from_a_handful_of_requests_is_no_breach(name):
 RELAYED_SLOW = dict(tpot_p=0.45, tpot_p_by_pipeline={"P-MD": 0.05, "P-RLD-MD": 0.45})
 
 
-@pytest.mark.parametrize("fields, target", [
-    ({}, "notice.tpot_slo_breach"),  # both decoders idle, P-MD within target: no replica helps
-    ({"tpot_p_by_pipeline": {"P-MD": 0.3, "P-RLD-MD": 0.45}}, "replicas.main_decode"),  # MD's own requests slow too
-    ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 100.0}}, "replicas.main_decode"),  # MD busy
-    ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 50.0, "MainDecode": 80.0}}, "replicas.relay_decode"),  # RLD busy
-    ({"tpot_p_by_pipeline": {"P-MD": 0.05, "P-RLD-MD": 0.1, "P-RLD": 0.45}}, "notice.tpot_slo_breach"),  # singular: RLD alone
-    ({"tpot_p_by_pipeline": {"P-MD": 0.45, "P-RLD-MD": 0.1}}, "replicas.main_decode"),  # MD's own requests the slow ones
-])
+@pytest.mark.parametrize(
+    "fields, target",
+    [
+        ({}, "notice.tpot_slo_breach"),  # both decoders idle, P-MD within target: no replica helps
+        ({"tpot_p_by_pipeline": {"P-MD": 0.3, "P-RLD-MD": 0.45}}, "replicas.main_decode"),  # MD's own requests slow too
+        ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 100.0}}, "replicas.main_decode"),  # MD busy
+        ({"ongoing_by_deployment": {"Prefill": 30.0, "RelayDecode": 50.0, "MainDecode": 80.0}}, "replicas.relay_decode"),  # RLD busy
+        ({"tpot_p_by_pipeline": {"P-MD": 0.05, "P-RLD-MD": 0.1, "P-RLD": 0.45}}, "notice.tpot_slo_breach"),  # singular: RLD alone
+        ({"tpot_p_by_pipeline": {"P-MD": 0.45, "P-RLD-MD": 0.1}}, "replicas.main_decode"),  # MD's own requests the slow ones
+    ],
+)
 def test_a_tpot_breach_in_relayed_requests_grows_only_a_busy_or_slow_decoder(fields, target):
     proposals = propose_all(healthy_snapshot(**{**RELAYED_SLOW, **fields}))
     assert [(p.specialist, p.change.target) for p in proposals] == [("capacity", target)]
@@ -264,11 +277,14 @@ RELAY_BACK = dict(replicas_healthy_by_deployment={"Prefill": 1.0, "RelayDecode":
 NO_P_P_MD = dict(request_rate_by_pipeline={"P-MD": 4.0, "P-RLD-MD": 1.0})
 
 
-@pytest.mark.parametrize("fields, summary", [
-    ({}, "no relay decoder alive: prefill relays (P-P-MD), 20% of the window's requests so far"),
-    (RELAY_BACK, "20% of the window's requests went P-P-MD while no relay decoder was alive"),  # the outage's requests linger
-    (NO_P_P_MD, "no relay decoder alive: prefill relays (P-P-MD), 0% of the window's requests so far"),  # none finished yet
-])
+@pytest.mark.parametrize(
+    "fields, summary",
+    [
+        ({}, "no relay decoder alive: prefill relays (P-P-MD), 20% of the window's requests so far"),
+        (RELAY_BACK, "20% of the window's requests went P-P-MD while no relay decoder was alive"),  # the outage's requests linger
+        (NO_P_P_MD, "no relay decoder alive: prefill relays (P-P-MD), 0% of the window's requests so far"),  # none finished yet
+    ],
+)
 def test_a_ttft_breach_that_began_while_prefill_relays_buys_no_prefill_replica(fields, summary):
     snap = healthy_snapshot(**{**RELAY_OUTAGE, **fields})
     [relaying] = [s for s in situations_of(snap) if s.name == "prefill_relaying"]
@@ -283,11 +299,14 @@ def test_a_ttft_breach_that_began_while_prefill_relays_buys_no_prefill_replica(f
     assert not [p for p in propose_all(snap, memory=later) if p.change.target.startswith("replicas.")]
 
 
-@pytest.mark.parametrize("fields, knobs, streaks", [
-    ({**NO_P_P_MD, **RELAY_BACK}, {}, {}),  # the outage has left the window
-    (NO_P_P_MD, {"prefill_relays": False}, {}),  # P does not relay: the dead relay's requests go P-MD
-    ({}, {}, {"ttft_slo_breach": 2, "prefill_relaying": 1}),  # the breach was there before P relayed: load
-])
+@pytest.mark.parametrize(
+    "fields, knobs, streaks",
+    [
+        ({**NO_P_P_MD, **RELAY_BACK}, {}, {}),  # the outage has left the window
+        (NO_P_P_MD, {"prefill_relays": False}, {}),  # P does not relay: the dead relay's requests go P-MD
+        ({}, {}, {"ttft_slo_breach": 2, "prefill_relaying": 1}),  # the breach was there before P relayed: load
+    ],
+)
 def test_a_ttft_breach_that_is_not_the_relay_outage_s_grows_prefill(fields, knobs, streaks):
     config = pdd_config()
     live = config.live_knobs()
@@ -341,7 +360,9 @@ def test_a_failing_twin_falls_back_to_the_rule():
 def test_specialists_do_not_depend_on_each_others_order():
     snap = healthy_snapshot(**CASES["rld_overload"], **CASES["ttft_slo_breach"])
     config = pdd_config()
-    view = View(snap=snap, config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(REPLICAS), situations=situations_of(snap), memory=Memory())
+    view = View(
+        snap=snap, config=config, agents=config.agents, knobs=config.live_knobs(), replicas=dict(REPLICAS), situations=situations_of(snap), memory=Memory()
+    )
     forward = [p for name in PROPOSERS for p in PROPOSERS[name](view)]
     backward = [p for name in reversed(list(PROPOSERS)) for p in PROPOSERS[name](view)]
     assert sorted(p.model_dump_json() for p in forward) == sorted(p.model_dump_json() for p in backward)

@@ -33,14 +33,15 @@ def test_only_a_continuation_whose_sampling_depends_on_earlier_output_tells_the_
 
 def test_a_penalised_continuation_counts_the_prompts_tail_as_output():
     """The prompt ends with the output other engines sampled; a seed alone carries nothing to penalise."""
+
     def state(prompt, count, **penalties):
         params = SimpleNamespace(presence_penalty=0.0, frequency_penalty=0.0, extra_args={SAMPLED_BEFORE: count} if count else None)
         params.__dict__.update(penalties)
         return SimpleNamespace(sampling_params=params, generator=None, prompt_token_ids=prompt)
 
-    runner = SimpleNamespace(requests={"a": state([1, 2, 3, 40, 41], 2, frequency_penalty=1.0),
-                                       "b": state([1, 2, 3, 40, 41], 2),
-                                       "c": state([1, 2, 3], 0, presence_penalty=1.0)})
+    runner = SimpleNamespace(
+        requests={"a": state([1, 2, 3, 40, 41], 2, frequency_penalty=1.0), "b": state([1, 2, 3, 40, 41], 2), "c": state([1, 2, 3], 0, presence_penalty=1.0)}
+    )
     carried = {}
     for req_id in runner.requests:
         _adopt(runner, req_id, carried)

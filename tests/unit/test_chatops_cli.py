@@ -17,16 +17,21 @@ from tests.unit.test_chatops_agent import FakeToolCallingChatModel, call, script
 
 def test_ask_streams_lists_figures_and_remembers_the_thread(tmp_path, monkeypatch):
     args = pdd_args(
-        chat_db=str(tmp_path / "chat.sqlite"), audit_db=str(tmp_path / "audit.sqlite"), actions_dir=str(tmp_path / "actions"),
-        prometheus_url="http://127.0.0.1:9", llm={"base_url": "http://127.0.0.1:9/v1", "model": "m"},
+        chat_db=str(tmp_path / "chat.sqlite"),
+        audit_db=str(tmp_path / "audit.sqlite"),
+        actions_dir=str(tmp_path / "actions"),
+        prometheus_url="http://127.0.0.1:9",
+        llm={"base_url": "http://127.0.0.1:9/v1", "model": "m"},
     )
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump({"applications": [{"name": "pdd", "import_path": "app.builder:build_app", "args": args}]}))
-    llm = FakeToolCallingChatModel(policy=scripted(
-        AIMessage("", tool_calls=[call("read_runbook", {"situation": "wan_degradation"})]),
-        AIMessage("The WAN runbook says: check the link model."),
-        lambda msgs: AIMessage(f"This thread has {sum(isinstance(m, HumanMessage) for m in msgs)} questions."),
-    ))
+    llm = FakeToolCallingChatModel(
+        policy=scripted(
+            AIMessage("", tool_calls=[call("read_runbook", {"situation": "wan_degradation"})]),
+            AIMessage("The WAN runbook says: check the link model."),
+            lambda msgs: AIMessage(f"This thread has {sum(isinstance(m, HumanMessage) for m in msgs)} questions."),
+        )
+    )
     monkeypatch.setattr(chat_agent, "llm_for", lambda agents: llm)
     runner = CliRunner()
     out = runner.invoke(main, ["ask", "what does the WAN runbook say?", "--config", str(cfg), "--url", "http://127.0.0.1:9"])
@@ -39,13 +44,16 @@ def test_ask_streams_lists_figures_and_remembers_the_thread(tmp_path, monkeypatc
     assert (tmp_path / "chat.sqlite").exists()
 
 
-@pytest.mark.parametrize("body", [
-    {},
-    {"message": ""},
-    {"message": "hi", "thread_id": "../../etc"},
-    {"message": "hi", "model": "x"},
-    {"message": "x" * 8001},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"message": ""},
+        {"message": "hi", "thread_id": "../../etc"},
+        {"message": "hi", "model": "x"},
+        {"message": "x" * 8001},
+    ],
+)
 def test_chat_request_body_is_checked(body):
     with pytest.raises(ValidationError):
         ChatOpsRequest.model_validate(body)

@@ -23,28 +23,34 @@ from tests.integration.agents_fixtures import pdd_config
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
 
 
-@pytest.mark.parametrize("message", [
-    "scale MD to 10",
-    "Scale main_decode to 3 please",
-    "set the threshold to 500ms",
-    "please lower the relay cap to 256",
-    "could you switch the handoff mode to one-shot?",
-    "disable the singular filter",
-    "add 1 replica to RLD",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "scale MD to 10",
+        "Scale main_decode to 3 please",
+        "set the threshold to 500ms",
+        "please lower the relay cap to 256",
+        "could you switch the handoff mode to one-shot?",
+        "disable the singular filter",
+        "add 1 replica to RLD",
+    ],
+)
 def test_change_requests_are_recognized(message):
     assert intent.asks_for_change(message)
 
 
-@pytest.mark.parametrize("message", [
-    "why is P99 TTFT up in dc-b?",
-    "what did the agents change today and did it help?",
-    "should we scale MD to 10?",
-    "how many MD replicas are there",
-    "show me the WAN transfer failures by link",
-    "scale things up",  # no value: nothing a proposal could be grounded in
-    "",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "why is P99 TTFT up in dc-b?",
+        "what did the agents change today and did it help?",
+        "should we scale MD to 10?",
+        "how many MD replicas are there",
+        "show me the WAN transfer failures by link",
+        "scale things up",  # no value: nothing a proposal could be grounded in
+        "",
+    ],
+)
 def test_questions_are_not_change_requests(message):
     assert not intent.asks_for_change(message)
 
@@ -98,14 +104,17 @@ def test_read_request_builds_the_change_from_live_values():
     assert (c.old, c.new) == (True, False)
 
 
-@pytest.mark.parametrize("args, asked, why", [
-    ({"target": "replicas.main_decode", "value": "0"}, "scale MD to 10", "does not contain the value 0"),
-    ({"target": "replicas.prefill", "value": "10"}, "scale MD to 10", "does not name replicas.prefill"),
-    ({"target": "server.api_keys", "value": "10"}, "set api keys to 10", "not something the agents may change"),
-    ({"target": "replicas.main_decode", "value": "2.5"}, "scale MD to 2.5", "whole numbers"),
-    ({"target": "handoff.mode", "value": "turbo"}, "set handoff mode to turbo", "takes one of"),
-    ({"target": "routing.min_hit_rate", "value": "0.1", "relative": True}, "raise min hit rate by 0.1", "unset"),
-])
+@pytest.mark.parametrize(
+    "args, asked, why",
+    [
+        ({"target": "replicas.main_decode", "value": "0"}, "scale MD to 10", "does not contain the value 0"),
+        ({"target": "replicas.prefill", "value": "10"}, "scale MD to 10", "does not name replicas.prefill"),
+        ({"target": "server.api_keys", "value": "10"}, "set api keys to 10", "not something the agents may change"),
+        ({"target": "replicas.main_decode", "value": "2.5"}, "scale MD to 2.5", "whole numbers"),
+        ({"target": "handoff.mode", "value": "turbo"}, "set handoff mode to turbo", "takes one of"),
+        ({"target": "routing.min_hit_rate", "value": "0.1", "relative": True}, "raise min hit rate by 0.1", "unset"),
+    ],
+)
 def test_read_request_refuses_what_the_message_does_not_say(args, asked, why):
     with pytest.raises(Refused, match=why):
         _read(args, asked)

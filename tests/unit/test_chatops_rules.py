@@ -23,31 +23,44 @@ from tests.integration.agents_fixtures import pdd_config, pending
 from tests.unit.test_chatops_agent import INJECTION, JOURNEY, StubSource, answer, converse
 
 SITUATIONS = ["rld_overload", "wan_degradation", "ttft_slo_breach"]
-TARGETS = ["replicas.prefill", "replicas.relay_decode", "replicas.main_decode", "routing.max_wan_transfer_ms", "routing.min_hit_rate",
-           "handoff.relay_cap_tokens", "handoff.min_relay_cap_tokens", "handoff.mode", "routing.singular.enabled", "routing.singular.min_prompt_tokens"]
+TARGETS = [
+    "replicas.prefill",
+    "replicas.relay_decode",
+    "replicas.main_decode",
+    "routing.max_wan_transfer_ms",
+    "routing.min_hit_rate",
+    "handoff.relay_cap_tokens",
+    "handoff.min_relay_cap_tokens",
+    "handoff.mode",
+    "routing.singular.enabled",
+    "routing.singular.min_prompt_tokens",
+]
 
 
 def read(message: str):
     return read_question(message, datacenters=["dc-a", "dc-b"], knobs=knob_paths(), situations=SITUATIONS)
 
 
-@pytest.mark.parametrize("message, topics, metrics, scope", [
-    ("Why is P99 TTFT up?", (), ("ttft",), ""),
-    ("why is P-RLD-MD's TTFT up?", (), ("ttft",), "P-RLD-MD"),
-    ("Is the cluster healthy?", ("state",), (), ""),
-    ("How many MD replicas are live?", ("state",), (), "main_decode"),
-    ("Which WAN links fail?", (), ("wan", "errors"), ""),
-    ("why are there gaps on dc-b?", (), ("gap",), "dc-b"),
-    ("what is the prefix hit rate on MD?", (), ("hit",), "main_decode"),
-    ("what did the agents do?", ("agents",), (), ""),
-    ("which runbook applies now?", ("runbook",), (), ""),
-    ("show the wan_degradation runbook", ("runbook",), (), ""),
-    ("what does routing.max_wan_transfer_ms do?", ("knobs",), (), ""),
-    ("what changed in the last 30 minutes?", ("changes",), (), ""),
-    ("what happened to chatcmpl-abc123def?", ("journey",), (), ""),
-    ("show the slowest recent requests", ("requests",), (), ""),
-    ("what is the weather like", (), (), ""),
-])
+@pytest.mark.parametrize(
+    "message, topics, metrics, scope",
+    [
+        ("Why is P99 TTFT up?", (), ("ttft",), ""),
+        ("why is P-RLD-MD's TTFT up?", (), ("ttft",), "P-RLD-MD"),
+        ("Is the cluster healthy?", ("state",), (), ""),
+        ("How many MD replicas are live?", ("state",), (), "main_decode"),
+        ("Which WAN links fail?", (), ("wan", "errors"), ""),
+        ("why are there gaps on dc-b?", (), ("gap",), "dc-b"),
+        ("what is the prefix hit rate on MD?", (), ("hit",), "main_decode"),
+        ("what did the agents do?", ("agents",), (), ""),
+        ("which runbook applies now?", ("runbook",), (), ""),
+        ("show the wan_degradation runbook", ("runbook",), (), ""),
+        ("what does routing.max_wan_transfer_ms do?", ("knobs",), (), ""),
+        ("what changed in the last 30 minutes?", ("changes",), (), ""),
+        ("what happened to chatcmpl-abc123def?", ("journey",), (), ""),
+        ("show the slowest recent requests", ("requests",), (), ""),
+        ("what is the weather like", (), (), ""),
+    ],
+)
 def test_questions_are_read_into_topics_metrics_and_scope(message, topics, metrics, scope):
     q = read(message)
     assert (q.topics, q.metrics, q.scope.describe()) == (topics, metrics, scope)
@@ -63,15 +76,18 @@ def test_question_details_knobs_spans_situations_ids():
     assert scope.keeps({"link": "dc-a->dc-b"}) and not scope.keeps({"link": "dc-b->dc-b"}) and scope.keeps({"pipeline": "P-MD"})
 
 
-@pytest.mark.parametrize("message, args", [
-    ("scale MD to 10", {"target": "replicas.main_decode", "value": "10", "relative": False}),
-    ("add 2 main decode replicas", {"target": "replicas.main_decode", "value": "2", "relative": True}),
-    ("set routing.max_wan_transfer_ms to 0.5s", {"target": "routing.max_wan_transfer_ms", "value": "0.5s", "relative": False}),
-    ("lower the relay cap by 64", {"target": "handoff.relay_cap_tokens", "value": "64", "relative": True}),
-    ("switch handoff mode to one-shot", {"target": "handoff.mode", "value": "one_shot"}),
-    ("disable the singular filter", {"target": "routing.singular.enabled", "value": "False"}),
-    ("set hit rate to 70%", {"target": "routing.min_hit_rate", "value": "70%", "relative": False}),
-])
+@pytest.mark.parametrize(
+    "message, args",
+    [
+        ("scale MD to 10", {"target": "replicas.main_decode", "value": "10", "relative": False}),
+        ("add 2 main decode replicas", {"target": "replicas.main_decode", "value": "2", "relative": True}),
+        ("set routing.max_wan_transfer_ms to 0.5s", {"target": "routing.max_wan_transfer_ms", "value": "0.5s", "relative": False}),
+        ("lower the relay cap by 64", {"target": "handoff.relay_cap_tokens", "value": "64", "relative": True}),
+        ("switch handoff mode to one-shot", {"target": "handoff.mode", "value": "one_shot"}),
+        ("disable the singular filter", {"target": "routing.singular.enabled", "value": "False"}),
+        ("set hit rate to 70%", {"target": "routing.min_hit_rate", "value": "70%", "relative": False}),
+    ],
+)
 def test_change_requests_are_read_into_proposals(message, args):
     got, why = change_args(message, TARGETS)
     assert got == {**args, "reason": ""} and why == ""
@@ -142,7 +158,9 @@ async def test_change_request_is_filed_for_approval_only(config, tmp_path, actua
     events = await converse(rules_for(config), "scale MD to 3")
     [proposal] = [e for e in events if e["type"] == "proposal"]
     assert proposal["filed"] and proposal["change"] == "replicas.main_decode: 2 -> 3"
-    assert answer(events).startswith(f"Filed for approval: replicas.main_decode: 2 -> 3. Nothing changes until a person runs `pdd agents approve {proposal['tick']}`.")
+    assert answer(events).startswith(
+        f"Filed for approval: replicas.main_decode: 2 -> 3. Nothing changes until a person runs `pdd agents approve {proposal['tick']}`."
+    )
     assert [p["tick"] for p in pending(config)] == [proposal["tick"]] and actuations == []
     agents = answer(await converse(rules_for(config), "what did the agents do?"))
     assert f"Awaiting approval: replicas.main_decode (`pdd agents approve {proposal['tick']}`)" in agents

@@ -6,10 +6,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.conductor import Conductor
-from app.generation import EngineError, GenerationRequest
 from app.config import Mode, PDDConfig, RoleName
 from app.devmodel import ensure_devmodel
 from app.engine import ReplicaInfo
+from app.generation import EngineError, GenerationRequest
 from app.journal import Journey
 from app.kv.params import PULL
 from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
@@ -67,8 +67,9 @@ class ScriptedEngines:
                 last = i == len(self.token_ids) - 1
                 transfer = self.transfer if i == 0 else None
                 prompt_logprobs = [TokenLogprob(-1.0 * t) for t in request.prompt_token_ids[1:]] if scored and i == 0 else None
-                yield EngineDelta(request.request_id, [token], finished=last, finish_reason="length" if last else None, transfer=transfer,
-                                  prompt_logprobs=prompt_logprobs)
+                yield EngineDelta(
+                    request.request_id, [token], finished=last, finish_reason="length" if last else None, transfer=transfer, prompt_logprobs=prompt_logprobs
+                )
         finally:
             self.open.discard(request.request_id)
 
@@ -125,8 +126,12 @@ async def _pull_stream(conductor, expected_bytes: int) -> tuple[int, int]:
     """A main decoder's stream whose pull routing expected to move `expected_bytes` over the
     WAN: the link's modelled backlog before its first token, and after it."""
     link = "dc-a->dc-b"
-    request = EngineRequest("req-1-md", [11, 12, 13], SamplingOptions(max_tokens=200),
-                            kv_transfer_params={PULL: {"link": link, "expected_bytes": expected_bytes, "host": "10.0.0.1"}})
+    request = EngineRequest(
+        "req-1-md",
+        [11, 12, 13],
+        SamplingOptions(max_tokens=200),
+        kv_transfer_params={PULL: {"link": link, "expected_bytes": expected_bytes, "host": "10.0.0.1"}},
+    )
     stream = conductor.decode_stream(RoleName.main_decode, conductor.engines.replica, request, Journey("req-1", "pdd", 3, 200))
     before = []
     conductor.engines.on_open = lambda: before.append(conductor.backlog(link))

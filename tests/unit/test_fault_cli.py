@@ -18,11 +18,14 @@ def test_slow_needs_a_figure():
     assert result.exit_code == 2 and "slow needs --bandwidth-mbps and/or --rtt-ms" in result.output
 
 
-@pytest.mark.parametrize("args, named", [
-    (["kill", "decoder"], "'decoder' is not one of 'prefill', 'relay_decode', 'main_decode', 'conductor'"),
-    (["stall", "dc-a->dc-b", "-3"], "-3"),
-    (["slow", "dc-a->dc-b", "--bandwidth-mbps", "0"], "--bandwidth-mbps"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["kill", "decoder"], "'decoder' is not one of 'prefill', 'relay_decode', 'main_decode', 'conductor'"),
+        (["stall", "dc-a->dc-b", "-3"], "-3"),
+        (["slow", "dc-a->dc-b", "--bandwidth-mbps", "0"], "--bandwidth-mbps"),
+    ],
+)
 def test_bad_arguments_are_named(args, named):
     result = invoke(*args)
     assert result.exit_code == 2 and named in " ".join(result.output.split()), result.output

@@ -36,7 +36,7 @@ def test_each_apps_replicas_are_saved_loaded_and_forgotten(gcs):
     assert other_app.load(32) == {"md-0": ReplicaSnapshot(32, 1000, [4])}
 
 
-async def test_a_conductor_saves_what_changed_and_the_next_one_starts_from_it(gcs, conductor):
+async def test_a_conductor_saves_what_changed_and_the_next_one_starts_from_it(gcs, conductor):  # noqa: F811 - the fixture
     """md-0 is the scripted engines' one live replica; md-gone is no longer routed to."""
     store = IndexStore("unit-conductor")
     conductor.index_keeper = IndexKeeper(store, conductor.engines.live_replica_ids)
@@ -54,7 +54,7 @@ async def test_a_conductor_saves_what_changed_and_the_next_one_starts_from_it(gc
     assert store.load(after.index.block_size) == {}
 
 
-async def test_a_forgotten_index_stays_forgotten_even_with_a_save_in_flight(gcs, conductor):
+async def test_a_forgotten_index_stays_forgotten_even_with_a_save_in_flight(gcs, conductor):  # noqa: F811 - the fixture
     store = IndexStore("unit-forget")
     slow_save = store.save
     store.save = lambda *args: (time.sleep(0.3), slow_save(*args))

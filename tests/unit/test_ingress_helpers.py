@@ -78,10 +78,18 @@ def _reported(schema: type, body: dict) -> tuple[str | None, str]:
     [
         # a union reports the branch the input's type chose, not its first branch's type error
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "Field required"),
-        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-         "messages.0.content", "only text parts are supported (a text-only model), got a 'image_url' part"),
-        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")},
-         "stop", "List should have at most 4 items after validation, not 5"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+            "messages.0.content",
+            "only text parts are supported (a text-only model), got a 'image_url' part",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")},
+            "stop",
+            "List should have at most 4 items after validation, not 5",
+        ),
         (CompletionRequest, {"prompt": [11, "x"]}, "prompt.1", "Input should be a valid integer, unable to parse string as an integer"),
         # no branch fits: the first one speaks
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "Input should be a valid string"),

@@ -33,7 +33,10 @@ def test_the_first_engine_of_a_role_keeps_its_times_unless_it_was_retried():
     journey.note_first_token("relay_decode", _first(40.0, 31.0, 2.0), replace=False)
     journey.note_first_token("relay_decode", _first(90.0, 80.0, 5.0), replace=False)  # a failover target's later token
     assert (journey.engine_ttft_ms, journey.engine_core_ttft_ms, journey.engine_queued_ms) == (
-        {"relay_decode": 40.0}, {"relay_decode": 31.0}, {"relay_decode": 2.0})
+        {"relay_decode": 40.0},
+        {"relay_decode": 31.0},
+        {"relay_decode": 2.0},
+    )
     journey.note_first_token("prefill", _first(20.0, 12.0, 1.0), replace=True)
     journey.note_first_token("prefill", _first(25.0), replace=True)  # P retried; its engine kept no metrics
     assert journey.engine_ttft_ms["prefill"] == 25.0
@@ -50,8 +53,15 @@ def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_j
     slo = SLOConfig(percentile=95, ttft_ms=95.5)
     fig = slo_summary(journeys, slo, window_s=60, now=20.0)["by_pipeline"]["P-MD"]
     assert (fig["ttft_ms"]["p95"], fig["ttft_ms"]["p90"], fig["tpot_ms"]["p95"]) == (96.0, 91.0, 10.0)
-    state = {"model": "m", "mode": "pdd", "in_flight": 0, "roles": {}, "links": {}, "knobs": LiveKnobs().model_dump(mode="json"),
-             "slo": {"targets": slo.model_dump(mode="json"), "recent": {"by_pipeline": {"P-MD": fig}}}}
+    state = {
+        "model": "m",
+        "mode": "pdd",
+        "in_flight": 0,
+        "roles": {},
+        "links": {},
+        "knobs": LiveKnobs().model_dump(mode="json"),
+        "slo": {"targets": slo.model_dump(mode="json"), "recent": {"by_pipeline": {"P-MD": fig}}},
+    }
     console = Console(width=200, record=True)
     console.print(render(state, None))
     row = next(line for line in console.export_text().splitlines() if "P-MD" in line)
@@ -74,13 +84,26 @@ def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_ye
 
 
 def test_pdd_status_tells_md_warm_ups_from_requests_and_what_routing_knows():
-    role = {"datacenter": "dc-b", "accelerator": "cpu", "configured_replicas": 2, "replicas": [
-        {"in_flight": 3, "warming": 2, "known_blocks": 1200, "kv_blocks": 4000}, {"in_flight": 1, "warming": 0, "known_blocks": 34, "kv_blocks": 4000},
-    ]}
+    role = {
+        "datacenter": "dc-b",
+        "accelerator": "cpu",
+        "configured_replicas": 2,
+        "replicas": [
+            {"in_flight": 3, "warming": 2, "known_blocks": 1200, "kv_blocks": 4000},
+            {"in_flight": 1, "warming": 0, "known_blocks": 34, "kv_blocks": 4000},
+        ],
+    }
     idle = {**role, "datacenter": "dc-a", "configured_replicas": 1, "replicas": [{"in_flight": 0, "warming": 0, "known_blocks": 0, "kv_blocks": 900}]}
-    state = {"model": "m", "mode": "pdd", "in_flight": 2, "roles": {"main_decode": role, "prefill": idle}, "links": {},
-             "knobs": LiveKnobs().model_dump(mode="json"), "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {}}},
-             "prefix_index_saved_at": time.time() - 3}
+    state = {
+        "model": "m",
+        "mode": "pdd",
+        "in_flight": 2,
+        "roles": {"main_decode": role, "prefill": idle},
+        "links": {},
+        "knobs": LiveKnobs().model_dump(mode="json"),
+        "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {}}},
+        "prefix_index_saved_at": time.time() - 3,
+    }
     console = Console(width=200, record=True)
     console.print(render(state, None))
     text = console.export_text()
@@ -91,15 +114,23 @@ def test_pdd_status_tells_md_warm_ups_from_requests_and_what_routing_knows():
 
 def test_pdd_status_reads_at_80_columns():
     """No table cell wraps to more than two rows: a row's continuation lines have an empty first cell."""
-    fig = {"requests": 12, "ttft_ms": {"p50": 120.0, "p90": 2500.0, "p99": 4000.0}, "tpot_ms": {"p50": 10.0, "p90": 12.0, "p99": 30.0},
-           "max_gap_ms": {"p50": 100.0, "p90": 200.0, "p99": 13000.0}}
+    fig = {
+        "requests": 12,
+        "ttft_ms": {"p50": 120.0, "p90": 2500.0, "p99": 4000.0},
+        "tpot_ms": {"p50": 10.0, "p90": 12.0, "p99": 30.0},
+        "max_gap_ms": {"p50": 100.0, "p90": 200.0, "p99": 13000.0},
+    }
     replica = {"in_flight": 12, "warming": 10, "known_blocks": 123456, "kv_blocks": 400000, "model_runner": "v1 (GPUModelRunner)"}
     role = {"datacenter": "dc-b-frankfurt", "accelerator": "H200", "configured_replicas": 16, "replicas": [replica] * 16}
-    state = {"model": "deepseek-v4-pro", "mode": "pdd", "in_flight": 200,
-             "roles": {"prefill": {**role, "datacenter": "dc-a-virginia", "accelerator": "H100"}, "relay_decode": role, "main_decode": role},
-             "links": {"dc-a-virginia->dc-b-frankfurt": {"bandwidth_mbps": 40000, "rtt_ms": 80, "bytes_down": 123456789012, "is_cut": False}},
-             "knobs": LiveKnobs().model_dump(mode="json"),
-             "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {"P-RLD-MD": fig, "P-MD": fig, "P-P-MD": fig}}}}
+    state = {
+        "model": "deepseek-v4-pro",
+        "mode": "pdd",
+        "in_flight": 200,
+        "roles": {"prefill": {**role, "datacenter": "dc-a-virginia", "accelerator": "H100"}, "relay_decode": role, "main_decode": role},
+        "links": {"dc-a-virginia->dc-b-frankfurt": {"bandwidth_mbps": 40000, "rtt_ms": 80, "bytes_down": 123456789012, "is_cut": False}},
+        "knobs": LiveKnobs().model_dump(mode="json"),
+        "slo": {"targets": SLOConfig().model_dump(mode="json"), "recent": {"by_pipeline": {"P-RLD-MD": fig, "P-MD": fig, "P-P-MD": fig}}},
+    }
     console = Console(width=80, record=True)
     console.print(render(state, None, "Prometheus shows no request rate yet (it counts from a series' second scrape)"))
     lines = console.export_text().splitlines()

@@ -207,7 +207,9 @@ def test_relay_paces_to_the_link_bandwidth(source):
     relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms))
     try:
         t0 = time.monotonic()
-        result = pull_blocks(spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30)
+        result = pull_blocks(
+            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30
+        )
         elapsed = time.monotonic() - t0
         assert result.ok
         floor = rtt_ms / 1000 + 8 * layout.block_nbytes / (mbps * 1e6 / 8)
@@ -236,7 +238,9 @@ def test_pulls_sharing_a_healthy_link_take_what_its_shared_model_says(source):
             share.start(f"p{i}", len(ids) * layout.block_nbytes, now=0.0)
         dst = KVLayout.from_caches(caches(9), NUM_BLOCKS)
         with ThreadPoolExecutor(len(blocks)) as pool:
-            results = list(pool.map(lambda i: pull_blocks(spec(server, f"l{i}", [0, 1, 2], blocks[i], relay=("127.0.0.1", relay.port)), dst, 2, 30), range(len(blocks))))
+            results = list(
+                pool.map(lambda i: pull_blocks(spec(server, f"l{i}", [0, 1, 2], blocks[i], relay=("127.0.0.1", relay.port)), dst, 2, 30), range(len(blocks)))
+            )
     finally:
         relay.close()
     assert all(r.ok for r in results)
@@ -255,7 +259,9 @@ def test_a_degraded_link_paces_to_its_new_figures_until_restored(source):
     try:
         relay.relay.degrade(bandwidth_mbps=40, rtt_ms=50)
         t0 = time.monotonic()
-        result = pull_blocks(spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30)
+        result = pull_blocks(
+            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30
+        )
         assert result.ok
         assert time.monotonic() - t0 >= (0.05 + 8 * layout.block_nbytes / (40e6 / 8)) * 0.97
         relay.relay.restore()
@@ -278,7 +284,9 @@ def test_restoring_a_stalled_link_releases_the_transfers_it_held(source):
         relay.loop.call_soon_threadsafe(relay.relay.stall, 60)
         threading.Timer(0.5, relay.loop.call_soon_threadsafe, args=(relay.relay.restore,)).start()
         t0 = time.monotonic()
-        result = pull_blocks(spec(server, "l", list(range(4)), list(range(4)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(4), NUM_BLOCKS), 2, 90)
+        result = pull_blocks(
+            spec(server, "l", list(range(4)), list(range(4)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(4), NUM_BLOCKS), 2, 90
+        )
         assert result.ok
         assert 0.5 <= time.monotonic() - t0 < 30  # held until the restore, not for the stall's 60 s
     finally:
@@ -291,7 +299,9 @@ def test_cutting_the_link_mid_transfer_reports_unwritten_blocks(source):
     relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=8))  # ~1 s per MB
     try:
         threading.Timer(0.3, relay.cut, args=(5,)).start()
-        result = pull_blocks(spec(server, "l", list(range(12)), list(range(12)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30)
+        result = pull_blocks(
+            spec(server, "l", list(range(12)), list(range(12)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30
+        )
         assert not result.ok
         assert 0 < len(result.failed_block_ids) <= 12
         assert result.failed_block_ids == list(range(12 - len(result.failed_block_ids), 12))  # the tail

@@ -13,7 +13,7 @@ from app.link_directory import LinkDirectory
 
 
 class _Method:
-    def __init__(self, owner: "_Emulator", value):
+    def __init__(self, owner: _Emulator, value):
         self.owner, self.value = owner, value
 
     def remote(self):
@@ -63,7 +63,9 @@ def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure, caplog):
         assert await links.down_reason("dc-a", "dc-b") is None
         assert not warnings()
         await links.refresh()
-        assert await links.down_reason("dc-a", "dc-b") == f"dc-b unreachable: its link emulator missed 2 polls in a row ({type(failure).__name__})", "the second in a row cuts it off"
+        assert await links.down_reason("dc-a", "dc-b") == f"dc-b unreachable: its link emulator missed 2 polls in a row ({type(failure).__name__})", (
+            "the second in a row cuts it off"
+        )
         assert await links.counters() == {}
         await links.refresh()
         assert warnings() == [f"dc-b cut off: its link emulator missed 2 polls in a row (last: {failure!r})"], "one warning per outage"

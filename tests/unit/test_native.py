@@ -119,9 +119,13 @@ def _assigned_fields(source: str) -> dict[str, set[str]]:
     for node in ast.parse(source).body:
         if isinstance(node, ast.ClassDef):
             out[node.name] = {
-                target.attr for sub in ast.walk(node) if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-                for root in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]) for target in ast.walk(root)
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"}
+                target.attr
+                for sub in ast.walk(node)
+                if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for root in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
+                for target in ast.walk(root)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+            }
     return out
 
 

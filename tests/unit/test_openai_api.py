@@ -95,8 +95,10 @@ def test_completion_logprobs_offsets_run_on_across_a_streams_chunks():
     whole = render.whole([Choice("Hello", "length", [7, 8], LOGPROBS)], USAGE, want_ids=False).choices[0].logprobs
     assert (whole.tokens, whole.token_logprobs, whole.text_offset) == (["He", "llo"], [-0.1, -1.5], [0, 2])
     assert whole.top_logprobs == [{"He": -0.1, " wor": -2.5}, {"llo": -1.5, " wor": -0.7}]  # the token itself, then the best
-    chunks = [json.loads(render.delta(0, text, None, ids, lps, want_ids=False))["choices"][0]["logprobs"]
-              for text, ids, lps in (("Hello", [7, 8], LOGPROBS), (" world", [9, 10], LOGPROBS))]
+    chunks = [
+        json.loads(render.delta(0, text, None, ids, lps, want_ids=False))["choices"][0]["logprobs"]
+        for text, ids, lps in (("Hello", [7, 8], LOGPROBS), (" world", [9, 10], LOGPROBS))
+    ]
     assert [c["text_offset"] for c in chunks] == [[0, 2], [5, 9]]
     other_choice = json.loads(render.delta(1, "He", None, [7], LOGPROBS[:1], want_ids=False))["choices"][0]["logprobs"]
     assert other_choice["text_offset"] == [0]

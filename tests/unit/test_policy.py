@@ -146,7 +146,13 @@ routing_st = st.builds(
     min_hit_rate=st.none() | st.floats(0, 1),
     max_relay_load=st.floats(0.01, 1),
     prefill_relays=st.booleans(),
-    singular=st.builds(SingularFilterConfig, enabled=st.booleans(), min_prompt_tokens=st.integers(1, 100_000), max_hit_rate=st.floats(0, 1), max_output_tokens=st.integers(1, 100)),
+    singular=st.builds(
+        SingularFilterConfig,
+        enabled=st.booleans(),
+        min_prompt_tokens=st.integers(1, 100_000),
+        max_hit_rate=st.floats(0, 1),
+        max_output_tokens=st.integers(1, 100),
+    ),
 )
 
 

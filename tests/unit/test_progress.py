@@ -44,7 +44,7 @@ def test_the_split_search_never_searches_more_splits_than_its_bar_counts(monkeyp
         searched: list[int] = []
 
         class Traffic:
-            def search(self, split, seed, lo):
+            def search(self, split, seed, lo, searched=searched, peak=peak):
                 searched.append(split)
                 return SimpleNamespace(rps=-abs(split - peak))
 

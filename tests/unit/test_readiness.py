@@ -20,14 +20,17 @@ def test_every_role_live_is_ready():
     assert body == {"status": "ready", "missing": [], "roles": {r.value: {"live": 1, "configured": 1} for r in ALL}}
 
 
-@pytest.mark.parametrize(("mode", "live", "status", "missing"), [
-    (Mode.pdd, {P: 1, MD: 1}, "degraded", ["relay_decode"]),  # P-MD, or prefill relays
-    (Mode.pdd, {RLD: 1, MD: 1}, "degraded", ["prefill"]),  # MD computes whole requests
-    (Mode.pdd, {P: 1, RLD: 1}, "unavailable", ["main_decode"]),  # every pdd request ends at MD
-    (Mode.pd_cross_dc_naive, {P: 1}, "unavailable", ["main_decode"]),
-    (Mode.colocated, {P: 1, RLD: 1}, "unavailable", ["main_decode"]),
-    (Mode.pdd, {}, "unavailable", ["prefill", "relay_decode", "main_decode"]),  # engines still starting
-])
+@pytest.mark.parametrize(
+    ("mode", "live", "status", "missing"),
+    [
+        (Mode.pdd, {P: 1, MD: 1}, "degraded", ["relay_decode"]),  # P-MD, or prefill relays
+        (Mode.pdd, {RLD: 1, MD: 1}, "degraded", ["prefill"]),  # MD computes whole requests
+        (Mode.pdd, {P: 1, RLD: 1}, "unavailable", ["main_decode"]),  # every pdd request ends at MD
+        (Mode.pd_cross_dc_naive, {P: 1}, "unavailable", ["main_decode"]),
+        (Mode.colocated, {P: 1, RLD: 1}, "unavailable", ["main_decode"]),
+        (Mode.pdd, {}, "unavailable", ["prefill", "relay_decode", "main_decode"]),  # engines still starting
+    ],
+)
 def test_missing_roles_degrade_until_no_request_could_be_served(mode, live, status, missing):
     body = readiness(mode, ALL, live)
     assert (body["status"], body["missing"]) == (status, missing)

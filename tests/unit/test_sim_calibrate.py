@@ -18,10 +18,25 @@ from app.config import Mode, RoleName
 from app.config_file import load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
-from app.sim.calibrate import (OverheadSample, PullSample, _Prompts, app_journeys, busy_neighbors, fit_kv_pulls, fit_serving_overhead,
-                               decoder_request_overheads, fit_to_app_steps, kv_pulls, with_decoder_overhead,
-                               with_kv_pull,
-                               model_spec_from_folder, serving_overhead_ms, serving_overheads, with_model_spec, with_serving_overhead)
+from app.sim.calibrate import (
+    OverheadSample,
+    PullSample,
+    _Prompts,
+    app_journeys,
+    busy_neighbors,
+    decoder_request_overheads,
+    fit_kv_pulls,
+    fit_serving_overhead,
+    fit_to_app_steps,
+    kv_pulls,
+    model_spec_from_folder,
+    serving_overhead_ms,
+    serving_overheads,
+    with_decoder_overhead,
+    with_kv_pull,
+    with_model_spec,
+    with_serving_overhead,
+)
 from app.sim.perf import FittedPerf, StepSample
 
 LOCAL = "serve_configs/local.yaml"
@@ -62,8 +77,9 @@ def test_pdd_sim_runs_the_cpu_config_with_a_fitted_model(tmp_path):
     fitted = tmp_path / "fitted.json"
     fitted.write_text(json.dumps({"a_ms": 5.0, "b_ms_per_prefill_token": 0.05, "c_ms_per_decode_seq": 0.5, "d_ms_per_kv_token": 0.0005}))
     out = tmp_path / "out.json"
-    result = CliRunner().invoke(pdd, ["sim", LOCAL, "--perf", str(fitted), "--requests", "200", "--rps", "1", "--out", str(tmp_path), "--json", str(out)],
-                                env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        pdd, ["sim", LOCAL, "--perf", str(fitted), "--requests", "200", "--rps", "1", "--out", str(tmp_path), "--json", str(out)], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
     run = json.loads(out.read_text())["runs"]["pdd"]
     assert run["requests"] > 0 and run["ttft_s"][0] > 0.005  # at least the fitted step overhead
@@ -100,8 +116,7 @@ def _timed(role_engine: str, start_s: float, step_ms: float) -> StepSample:
 
 
 def test_busy_neighbors_is_the_other_engines_time_in_flight_over_each_step():
-    steps = {RoleName.prefill: [_timed("p0", 0.0, 1000), _timed("p0", 1.0, 1000), _timed("p1", 1.5, 1500)],
-             RoleName.main_decode: [_timed("md", 0.5, 1000)]}
+    steps = {RoleName.prefill: [_timed("p0", 0.0, 1000), _timed("p0", 1.0, 1000), _timed("p1", 1.5, 1500)], RoleName.main_decode: [_timed("md", 0.5, 1000)]}
     k = busy_neighbors(steps)
     # p0's steps overlap md by half each, and its second also p1 (the same role's other replica) by half
     assert k[RoleName.prefill] == pytest.approx([0.5, 1.0, 0.5 / 1.5])
@@ -151,41 +166,67 @@ def test_serving_overhead_is_ttft_outside_the_engines_the_first_token_waited_for
     assert serving_overhead_ms(colocated) == pytest.approx(17.5)
     # naive: the first token reaches the client with the decoder's, after its pull
     assert serving_overhead_ms({"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0, "main_decode": 450.0}}) == pytest.approx(35.0)
-    for partial in ({**pdd, "engine_ttft_ms": {"relay_decode": 300.0}}, {**pdd, "ttft_ms": None}, {**pdd, "error": "boom"},
-                    {**pdd, "failovers": [{"from_role": "prefill"}]}, {"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0}},
-                    {**colocated, "engine_ttft_ms": {}}, {}):
+    for partial in (
+        {**pdd, "engine_ttft_ms": {"relay_decode": 300.0}},
+        {**pdd, "ttft_ms": None},
+        {**pdd, "error": "boom"},
+        {**pdd, "failovers": [{"from_role": "prefill"}]},
+        {"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0}},
+        {**colocated, "engine_ttft_ms": {}},
+        {},
+    ):
         assert serving_overhead_ms(partial) is None
 
 
 def test_serving_overhead_counts_the_replicas_own_processing_where_the_engine_core_timed_the_token():
-    pdd = {"pipeline": "P-RLD-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0, "relay_decode": 300.0},
-           "engine_core_ttft_ms": {"prefill": 9.0, "relay_decode": 280.0}}
+    pdd = {
+        "pipeline": "P-RLD-MD",
+        "ttft_ms": 40.0,
+        "engine_ttft_ms": {"prefill": 15.0, "relay_decode": 300.0},
+        "engine_core_ttft_ms": {"prefill": 9.0, "relay_decode": 280.0},
+    }
     assert serving_overhead_ms(pdd) == pytest.approx(31.0)
-    naive = {"pipeline": "P-D-naive", "ttft_ms": 500.0, "engine_ttft_ms": {"prefill": 15.0, "main_decode": 450.0},
-             "engine_core_ttft_ms": {"prefill": 10.0, "main_decode": 440.0}}
+    naive = {
+        "pipeline": "P-D-naive",
+        "ttft_ms": 500.0,
+        "engine_ttft_ms": {"prefill": 15.0, "main_decode": 450.0},
+        "engine_core_ttft_ms": {"prefill": 10.0, "main_decode": 440.0},
+    }
     assert serving_overhead_ms(naive) == pytest.approx(50.0)
     # one engine without the core's figures: the replicas' figures for all, never a mix
     assert serving_overhead_ms({**naive, "engine_core_ttft_ms": {"prefill": 10.0}}) == pytest.approx(35.0)
 
 
 def _journey(start: float, end: float | None, overhead: float, mode: str = "pdd") -> dict:
-    return {"mode": mode, "pipeline": "colocated" if mode == "colocated" else "P-MD", "started_at": start, "finished_at": end,
-            "ttft_ms": 10.0 + overhead, "engine_ttft_ms": {"main_decode" if mode == "colocated" else "prefill": 10.0}}
+    return {
+        "mode": mode,
+        "pipeline": "colocated" if mode == "colocated" else "P-MD",
+        "started_at": start,
+        "finished_at": end,
+        "ttft_ms": 10.0 + overhead,
+        "engine_ttft_ms": {"main_decode" if mode == "colocated" else "prefill": 10.0},
+    }
 
 
 def test_each_overhead_comes_with_the_requests_in_flight_when_it_arrived():
     journeys = [
         _journey(0.0, 10.0, 5.0),
-        _journey(1.0, 2.0, 6.0),    # one in flight (the first)
-        _journey(2.0, 3.0, 7.0),    # the second ended just as it came: one in flight
-        _journey(2.5, None, 8.0),   # two: the first and the third; unfinished, in flight to the end
+        _journey(1.0, 2.0, 6.0),  # one in flight (the first)
+        _journey(2.0, 3.0, 7.0),  # the second ended just as it came: one in flight
+        _journey(2.5, None, 8.0),  # two: the first and the third; unfinished, in flight to the end
         {**_journey(4.0, 5.0, 0.0), "error": "boom"},  # no overhead of its own, but it loads the app
-        _journey(4.5, 6.0, 9.0, "colocated"),         # another mode counts in flight, and gives its own
-        _journey(5.5, 6.0, 10.0),   # first, fourth, sixth
+        _journey(4.5, 6.0, 9.0, "colocated"),  # another mode counts in flight, and gives its own
+        _journey(5.5, 6.0, 10.0),  # first, fourth, sixth
         {**_journey(7.0, 8.0, 3.0), "started_at": None},  # no start: neither counted nor counting
     ]
-    assert serving_overheads(journeys) == [(0, pytest.approx(5.0)), (1, pytest.approx(6.0)), (1, pytest.approx(7.0)),
-                                           (2, pytest.approx(8.0)), (3, pytest.approx(9.0)), (3, pytest.approx(10.0))]
+    assert serving_overheads(journeys) == [
+        (0, pytest.approx(5.0)),
+        (1, pytest.approx(6.0)),
+        (1, pytest.approx(7.0)),
+        (2, pytest.approx(8.0)),
+        (3, pytest.approx(9.0)),
+        (3, pytest.approx(10.0)),
+    ]
     assert [s.in_flight for s in serving_overheads(journeys, Mode.pdd)] == [0, 1, 1, 2, 3]
     assert serving_overheads([]) == []
 
@@ -197,7 +238,10 @@ def test_the_overhead_line_is_a_median_regression():
     base, slope = fit_serving_overhead(line + late)
     assert (base, slope) == (pytest.approx(10.0, abs=1e-3), pytest.approx(4.0, abs=1e-3))
     assert fit_serving_overhead([OverheadSample(3, 12.0), OverheadSample(3, 20.0)]) == (16.0, 0.0)  # one count: its median
-    assert fit_serving_overhead([OverheadSample(0, 30.0), OverheadSample(4, 10.0)]) == (pytest.approx(20.0), pytest.approx(0.0, abs=1e-5))  # never a negative slope
+    assert fit_serving_overhead([OverheadSample(0, 30.0), OverheadSample(4, 10.0)]) == (
+        pytest.approx(20.0),
+        pytest.approx(0.0, abs=1e-5),
+    )  # never a negative slope
     base, slope = fit_serving_overhead([OverheadSample(1, 10.0), OverheadSample(2, 30.0)])
     assert (base, slope) == (0.0, pytest.approx(15.0, abs=1e-3))  # nor a negative base
     with pytest.raises(ValueError, match="no serving overhead samples"):
@@ -216,14 +260,18 @@ def test_the_fitted_overhead_goes_on_the_role_requests_enter_by():
         with_serving_overhead({"main_decode": ALONE}, Mode.pdd, [OverheadSample(0, 8.0)])
     assert (ALONE.scaled(2.0).serving_overhead_ms, ALONE.scaled(2.0).serving_overhead_ms_per_in_flight) == (0.0, 0.0)
     # scaling steps leaves the stack's time alone
-    assert with_overhead["prefill"].scaled(2.0) == replace(ALONE.scaled(2.0), serving_overhead_ms=pytest.approx(20.0),
-                                                          serving_overhead_ms_per_in_flight=pytest.approx(5.0))
+    assert with_overhead["prefill"].scaled(2.0) == replace(
+        ALONE.scaled(2.0), serving_overhead_ms=pytest.approx(20.0), serving_overhead_ms_per_in_flight=pytest.approx(5.0)
+    )
 
 
 def test_decoder_request_overheads_are_the_decoder_replicas_own_time_where_p_gave_the_first_token():
     journeys = [
-        {"pipeline": "P-RLD-MD", "engine_ttft_ms": {"prefill": 50.0, "relay_decode": 30.0, "main_decode": 400.0},
-         "engine_core_ttft_ms": {"prefill": 45.0, "relay_decode": 22.0, "main_decode": 395.0}},
+        {
+            "pipeline": "P-RLD-MD",
+            "engine_ttft_ms": {"prefill": 50.0, "relay_decode": 30.0, "main_decode": 400.0},
+            "engine_core_ttft_ms": {"prefill": 45.0, "relay_decode": 22.0, "main_decode": 395.0},
+        },
         {"pipeline": "P-MD", "engine_ttft_ms": {"prefill": 50.0, "main_decode": 90.0}, "engine_core_ttft_ms": {"prefill": 40.0, "main_decode": 80.0}},
         {"pipeline": "P-D", "engine_ttft_ms": {"relay_decode": 20.0}, "engine_core_ttft_ms": {}},  # the core's figure missing
         {"pipeline": "P-D-naive", "engine_ttft_ms": {"main_decode": 90.0}, "engine_core_ttft_ms": {"main_decode": 70.0}},  # in the serving overhead
@@ -241,10 +289,18 @@ def test_decoder_request_overheads_are_the_decoder_replicas_own_time_where_p_gav
 def test_kv_pulls_are_the_transports_time_beyond_the_link_inside_a_datacenter():
     config = load_config(LOCAL)  # dc-a <-> dc-a: 20 Gbit/s, 0.1 ms; the WAN 40 Mbit/s
     journeys = [
-        {"transfers": [{"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 5_000_000, "seconds": 0.030, "ok": True},
-                       {"link": "dc-a->dc-b", "to_role": "main_decode", "bytes": 5_000_000, "seconds": 1.5, "ok": True}]},
-        {"transfers": [{"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 1_000_000, "seconds": 9.0, "ok": False},
-                       {"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 0, "seconds": 0.002, "ok": True}]},
+        {
+            "transfers": [
+                {"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 5_000_000, "seconds": 0.030, "ok": True},
+                {"link": "dc-a->dc-b", "to_role": "main_decode", "bytes": 5_000_000, "seconds": 1.5, "ok": True},
+            ]
+        },
+        {
+            "transfers": [
+                {"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 1_000_000, "seconds": 9.0, "ok": False},
+                {"link": "dc-a->dc-a", "to_role": "relay_decode", "bytes": 0, "seconds": 0.002, "ok": True},
+            ]
+        },
         {"pipeline": "colocated"},
     ]
     # 5 MB take 2 ms on the link and its 0.1 ms RTT: 27.9 ms are the transport's; the WAN's pull, a failed one and an empty one are not counted
@@ -273,12 +329,9 @@ def test_the_kv_pull_line_is_a_median_regression_that_goes_on_the_entry_role():
 def test_the_apps_journeys_of_the_mode_give_the_overheads_and_an_unreachable_app_is_named(monkeypatch):
     journeys = [
         {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "engine_ttft_ms": {"prefill": 15.0}, "started_at": 1.0, "finished_at": 9.0},
-        {"mode": "pdd", "pipeline": "P-RLD", "ttft_ms": 90.0, "engine_ttft_ms": {"prefill": 60.0, "relay_decode": 5.0}, "started_at": 3.0,
-         "finished_at": 4.0},
-        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "error": "boom", "engine_ttft_ms": {"prefill": 15.0}, "started_at": 2.0,
-         "finished_at": 2.5},
-        {"mode": "colocated", "pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}, "started_at": 0.0,
-         "finished_at": 5.0},
+        {"mode": "pdd", "pipeline": "P-RLD", "ttft_ms": 90.0, "engine_ttft_ms": {"prefill": 60.0, "relay_decode": 5.0}, "started_at": 3.0, "finished_at": 4.0},
+        {"mode": "pdd", "pipeline": "P-MD", "ttft_ms": 40.0, "error": "boom", "engine_ttft_ms": {"prefill": 15.0}, "started_at": 2.0, "finished_at": 2.5},
+        {"mode": "colocated", "pipeline": "colocated", "ttft_ms": 30.0, "engine_ttft_ms": {"main_decode": 12.5}, "started_at": 0.0, "finished_at": 5.0},
     ]
     seen = []
 
@@ -322,6 +375,7 @@ def test_calibrating_from_an_app_says_what_is_missing(tmp_path):
     result = CliRunner().invoke(pdd, ["calibrate", str(config), "--from-app", "pdd", "--base", str(tmp_path / "none.json")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "measure an engine alone first" in result.output, result.output
     (tmp_path / "alone.json").write_text(ALONE.to_json())
-    result = CliRunner().invoke(pdd, ["calibrate", str(config), "--from-app", "pdd", "--base", str(tmp_path / "alone.json")],
-                                env={"COLUMNS": "200", "PDD_CACHE_DIR": str(tmp_path)})
+    result = CliRunner().invoke(
+        pdd, ["calibrate", str(config), "--from-app", "pdd", "--base", str(tmp_path / "alone.json")], env={"COLUMNS": "200", "PDD_CACHE_DIR": str(tmp_path)}
+    )
     assert result.exit_code == 2 and "pass --address" in result.output, result.output

@@ -29,6 +29,7 @@ def _prefill(loop: Loop, inst: Instance, at: float, done: dict) -> None:
     def submit(_):
         lease = inst.open(("conv", inst.name), 0, (), 0)
         inst.submit_prefill(PrefillJob(inst.name, 64, 0, 64, lease, lambda job: done.setdefault(inst.name, loop.now)))
+
     loop.at(at, submit)
 
 

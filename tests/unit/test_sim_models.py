@@ -14,15 +14,14 @@ from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.engine import Instance, Seq
 from app.sim.events import Loop
 from app.sim.network import Link, PullSlots
-from app.sim.perf import (DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json,
-                          save_samples)
+from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json, save_samples
 
 ACC = AcceleratorSpec(peak_tflops=100, memory_bandwidth_gbps=1000, memory_gib=80)
-MODEL = ModelSpec(active_params_b=1, total_params_b=4, weight_bytes_per_param=2, kv_bytes_per_token=1000,
-                  attention_flops_per_token_pair=1e6)
+MODEL = ModelSpec(active_params_b=1, total_params_b=4, weight_bytes_per_param=2, kv_bytes_per_token=1000, attention_flops_per_token_pair=1e6)
 
 
 # ---- roofline ----------------------------------------------------------------------
+
 
 def test_roofline_prefill_is_compute_bound_by_hand():
     r = Roofline(ACC, MODEL, gpus=2)
@@ -76,6 +75,7 @@ def test_decode_ramp_rejects_a_zero_step():
 
 # ---- fitting -------------------------------------------------------------------------
 
+
 def _samples(a, b, c, d, shapes, noise=lambda i: 0.0, e=0.0, f=0.0):
     """Steps of a model with those coefficients; a shape's pairs are its prefill's own (p^2/2) plus its decode reads;
     a prefill beside the largest context reads it as a prefix (one chunk after a prefix)."""
@@ -105,8 +105,15 @@ def test_fit_recovers_the_generating_coefficients():
 #: Steps a calibration measured on a 2-core dev machine (ms, two repeats per shape):
 #: prefill N fresh tokens; decode n sequences reading K context tokens.
 MEASURED_PREFILL = {64: (17.2, 9.0), 256: (38.4, 19.6), 512: (65.8, 35.8), 1024: (130.6, 86.5), 2048: (299.9, 236.2)}
-MEASURED_DECODE = {(1, 280): (3.46, 2.93), (1, 4120): (4.08, 4.39), (4, 1120): (4.03, 3.85), (4, 8288): (7.02, 6.61),
-                   (8, 8384): (7.39, 7.34), (16, 8576): (8.69, 8.38), (16, 33152): (19.04, 18.94)}
+MEASURED_DECODE = {
+    (1, 280): (3.46, 2.93),
+    (1, 4120): (4.08, 4.39),
+    (4, 1120): (4.03, 3.85),
+    (4, 8288): (7.02, 6.61),
+    (8, 8384): (7.39, 7.34),
+    (16, 8576): (8.69, 8.38),
+    (16, 33152): (19.04, 18.94),
+}
 
 
 def test_fit_keeps_small_steps_right_beside_large_ones():
@@ -144,9 +151,12 @@ def test_samples_and_model_json_roundtrip(tmp_path):
     assert FittedPerf.from_json(fitted.to_json()) == fitted
     (tmp_path / "one.json").write_text(fitted.to_json())
     assert load_perf(tmp_path / "one.json") == fitted
-    roles = {"prefill": replace(fitted, serving_overhead_ms=17.5, serving_overhead_ms_per_in_flight=3.5, kv_pull_ms=4.0, kv_pull_ms_per_mb=4.5,
-                             decoder_request_overhead_ms=6.5),
-             "main_decode": replace(fitted, neighbor_slowdown=0.4).scaled(1.5)}
+    roles = {
+        "prefill": replace(
+            fitted, serving_overhead_ms=17.5, serving_overhead_ms_per_in_flight=3.5, kv_pull_ms=4.0, kv_pull_ms_per_mb=4.5, decoder_request_overhead_ms=6.5
+        ),
+        "main_decode": replace(fitted, neighbor_slowdown=0.4).scaled(1.5),
+    }
     assert roles["main_decode"].neighbor_slowdown == 0.4  # a share of the step, whatever its scale
     assert roles["main_decode"].step_s(100, 4, 1000, 9000) == pytest.approx(1.5 * fitted.step_s(100, 4, 1000, 9000), rel=1e-12)
     (tmp_path / "roles.json").write_text(roles_to_json(roles))
@@ -161,18 +171,25 @@ def test_a_model_saved_before_the_serving_overhead_and_host_sharing_reads_with_n
     assert (model.f_ms_per_prefix_chunk, model.decoder_request_overhead_ms, model.kv_pull_ms, model.kv_pull_ms_per_mb) == (0.0, 0.0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize(("text", "named"), [
-    ('{"a_ms": 1.0, "steps": []}', "b_ms_per_prefill_token: Field required"),
-    ('{"a_ms": 1.0, "steps": []}', "steps: Unexpected keyword argument"),
-    ('{"a_ms": -1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0}', "a_ms: Input should be greater than or equal to 0"),
-    ('{"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0, "serving_overhead_ms_per_in_flight": -2}',
-     "serving_overhead_ms_per_in_flight: Input should be greater than or equal to 0"),
-    ("[]", "expected a fitted model (an object), got a list"),
-    ("{oops", "not JSON"),
-    ('{"roles": {"prefil": {}}}', "roles.prefil: not a role"),
-    ('{"roles": {"prefill": {"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": "x"}}}',
-     "roles.prefill.d_ms_per_kv_token: Input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('{"a_ms": 1.0, "steps": []}', "b_ms_per_prefill_token: Field required"),
+        ('{"a_ms": 1.0, "steps": []}', "steps: Unexpected keyword argument"),
+        ('{"a_ms": -1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0}', "a_ms: Input should be greater than or equal to 0"),
+        (
+            '{"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": 0, "serving_overhead_ms_per_in_flight": -2}',
+            "serving_overhead_ms_per_in_flight: Input should be greater than or equal to 0",
+        ),
+        ("[]", "expected a fitted model (an object), got a list"),
+        ("{oops", "not JSON"),
+        ('{"roles": {"prefil": {}}}', "roles.prefil: not a role"),
+        (
+            '{"roles": {"prefill": {"a_ms": 1, "b_ms_per_prefill_token": 0, "c_ms_per_decode_seq": 0, "d_ms_per_kv_token": "x"}}}',
+            "roles.prefill.d_ms_per_kv_token: Input should be a valid number",
+        ),
+    ],
+)
 def test_a_file_that_is_no_fitted_model_is_named(tmp_path, text, named):
     path = tmp_path / "samples.json"
     path.write_text(text)
@@ -188,6 +205,7 @@ def test_fitted_decode_lines_match_its_steps():
 
 
 # ---- prefix cache ----------------------------------------------------------------------
+
 
 def test_lru_evicts_tail_blocks_of_the_oldest_entry_first():
     c = PrefixCache(limit_tokens=100, block_size=10)
@@ -273,6 +291,7 @@ def test_merge_goes_both_ways_across_rewrites():
 
 # ---- a decoder's first step after a pull ------------------------------------------------
 
+
 def _first_tokens(perf: FittedPerf, pulled: bool) -> tuple[float, float]:
     """A running sequence, and one more joining mid-step: when each produces its 4th / 1st token."""
     loop = Loop()
@@ -301,6 +320,7 @@ def test_a_model_pricing_a_one_token_chunk_as_a_decode_token_keeps_the_decode_st
 
 
 # ---- links -----------------------------------------------------------------------------
+
 
 def _link(loop: Loop, mbps: float = 8.0, rtt_ms: float = 0.0) -> Link:
     return Link(loop, LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms))
@@ -378,6 +398,7 @@ def test_queued_pulls_finish_sooner_than_sharing_the_link_among_all():
             pulls.pull(link, 1_000_000, lambda _: out.append(loop.now), None)
         loop.run()
         return out
+
     assert ends(8) == pytest.approx([4.0] * 4)  # all four share: each ends at 4 s
     assert ends(1) == pytest.approx([1.0, 2.0, 3.0, 4.0])  # one at a time: same total, earlier on average
 

@@ -29,8 +29,7 @@ def fail_on_three(n: int) -> int:
 def test_results_come_back_in_order_from_other_processes_with_their_progress():
     done: list[int] = []
     progress: list[tuple[int, tuple[str, int]]] = []
-    results = run_all(square_in_worker, range(6), jobs=2, on_done=lambda i, _r: done.append(i),
-                      on_progress=lambda i, value: progress.append((i, value)))
+    results = run_all(square_in_worker, range(6), jobs=2, on_done=lambda i, _r: done.append(i), on_progress=lambda i, value: progress.append((i, value)))
     assert [r for r, _ in results] == [0, 1, 4, 9, 16, 25]
     assert os.getpid() not in {pid for _, pid in results}
     assert sorted(done) == list(range(6))
@@ -55,8 +54,9 @@ def test_jobs_must_be_at_least_one():
 
 def test_a_sweep_gives_the_same_points_on_two_processes_as_on_one():
     config = tiny_config()
-    template = AgenticWorkload(requests=150, rps=2.0, seed=5, first_prompt_median=3000, max_context_tokens=16000,
-                               turns_min=2, turns_max=6, output_median=60, output_max=200)
+    template = AgenticWorkload(
+        requests=150, rps=2.0, seed=5, first_prompt_median=3000, max_context_tokens=16000, turns_min=2, turns_max=6, output_median=60, output_max=200
+    )
     args = (config, derive(config, mode=Mode.pd_cross_dc_naive), template, (0.2, 0.9))
     seen: list[float] = []
     parallel = hit_sweep(*args, jobs=2, on_point=lambda p: seen.append(p["hit_rate"]))

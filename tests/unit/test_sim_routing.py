@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import app.sim.twin
 from app.config import RoleName
 from app.policy import Pipeline
-from app.prefix_index import PrefixIndex, ReplicaCache, _LRU
+from app.prefix_index import _LRU, PrefixIndex, ReplicaCache
 from app.sim import Outage, simulate
 from app.sim.routing import STRIDE, Conversation, KeyChain, KeyMaker, RunLRU, RunReplicaCache
 from app.sim.workload import AgenticWorkload, Request
@@ -26,10 +26,11 @@ def lru_order(cache: RunLRU) -> list[int]:
 
 # ---- keys -------------------------------------------------------------------------------
 
+
 def test_a_turn_that_appends_keeps_every_key_and_extends_the_line():
     km, conv = KeyMaker(16), Conversation()
-    first = km.turn(conv, 0, 100)            # 6 full blocks
-    second = km.turn(conv, 100, 260)         # the whole stream repeats: 16 blocks, same line
+    first = km.turn(conv, 0, 100)  # 6 full blocks
+    second = km.turn(conv, 100, 260)  # the whole stream repeats: 16 blocks, same line
     assert len(first) == 6 and len(second) == 16
     assert list(second)[:6] == list(first)
     assert len(second.segs) == 1
@@ -37,12 +38,12 @@ def test_a_turn_that_appends_keeps_every_key_and_extends_the_line():
 
 def test_a_rewritten_context_keeps_the_prefix_keys_and_gets_new_ones_after_it():
     km, conv = KeyMaker(16), Conversation()
-    old = list(km.turn(conv, 0, 320))        # 20 blocks
-    new = list(km.turn(conv, 70, 200))       # only 70 tokens repeat: 4 whole blocks
+    old = list(km.turn(conv, 0, 320))  # 20 blocks
+    new = list(km.turn(conv, 70, 200))  # only 70 tokens repeat: 4 whole blocks
     assert new[:4] == old[:4]
     assert not set(new[4:]) & set(old)
     other = list(km.turn(Conversation(), 0, 320))
-    assert not set(other) & set(old)         # conversations never share keys
+    assert not set(other) & set(old)  # conversations never share keys
 
 
 def test_key_chain_reads_like_a_list():
@@ -58,9 +59,9 @@ def test_key_chain_reads_like_a_list():
 # ---- RunLRU == _LRU, RunReplicaCache == ReplicaCache ------------------------------------------
 
 ops_st = st.lists(
-    st.tuples(st.sampled_from(["turn", "add", "add", "discard", "discard_keys", "match"]), st.integers(0, 3),
-              st.integers(0, 400), st.integers(0, 400)),
-    min_size=1, max_size=60,
+    st.tuples(st.sampled_from(["turn", "add", "add", "discard", "discard_keys", "match"]), st.integers(0, 3), st.integers(0, 400), st.integers(0, 400)),
+    min_size=1,
+    max_size=60,
 )
 
 
@@ -83,7 +84,7 @@ def test_run_lru_behaves_as_the_index_lru_key_by_key(ops, capacity):
             run.add(part)
             ref.add(list(part))
         elif op == "discard":  # a suffix, as ReplicaCache.forget_from drops it
-            part = chain[len(chain) * x // 400:]
+            part = chain[len(chain) * x // 400 :]
             run.discard(part)
             ref.discard(list(part))
         elif op == "discard_keys":  # any keys, as PrefixIndex.unroute passes them
@@ -150,6 +151,7 @@ def _logging(twin: app.sim.twin.Twin) -> list[tuple]:
         def call(*args):
             log.append((name, args[0], list(args[1]), *args[2:]))
             real(*args)
+
         return call
 
     index.choose = logged_choose
@@ -168,8 +170,18 @@ def test_replica_choices_equal_prefix_index_choose_on_the_same_inputs(mode):
     for role in args["roles"].values():
         role["replicas"] = 3
     config = app.sim.twin.PDDConfig.model_validate(args)
-    workload = AgenticWorkload(requests=400, rps=4.0, seed=5, first_prompt_median=3000, max_context_tokens=16000,
-                               output_median=60, think_time_min_s=1, think_time_mean_s=2, turns_min=3, turns_max=8)
+    workload = AgenticWorkload(
+        requests=400,
+        rps=4.0,
+        seed=5,
+        first_prompt_median=3000,
+        max_context_tokens=16000,
+        output_median=60,
+        think_time_min_s=1,
+        think_time_mean_s=2,
+        turns_min=3,
+        turns_max=8,
+    )
     twin = app.sim.twin.Twin(config)
     log = _logging(twin)
     twin.run(workload.generate())
@@ -231,6 +243,7 @@ def test_a_conversation_stays_on_its_replicas_turn_after_turn():
 
 # ---- outages: P-RLD while the WAN is cut or no main decoder is alive, P-P-MD while no relay decoder is --
 
+
 @pytest.mark.parametrize("what", ["wan", "main_decode"])
 def test_outage_sends_requests_to_the_relay_and_back_after(what):
     reqs = [Request(float(t), f"s{t}", 2000, 0, 20) for t in range(0, 30, 3)]
@@ -274,9 +287,9 @@ def test_a_transfer_waits_for_the_cut_link():
 
 def test_random_outages_keep_conservation():
     rng = random.Random(3)
-    reqs = sorted((Request(rng.uniform(0, 30), rng.randrange(8), rng.randrange(100, 6000), 0, rng.randrange(1, 300))
-                   for _ in range(80)), key=lambda r: r.arrival_s)
+    reqs = sorted(
+        (Request(rng.uniform(0, 30), rng.randrange(8), rng.randrange(100, 6000), 0, rng.randrange(1, 300)) for _ in range(80)), key=lambda r: r.arrival_s
+    )
     outages = [Outage(5, 9, "wan"), Outage(8, 15, "main_decode"), Outage(20, 21, "wan"), Outage(15, 24, "relay_decode")]
-    run = simulate(tiny_config("pdd", handoff={"mode": "catch_up", "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64}),
-                   reqs, outages=outages)
+    run = simulate(tiny_config("pdd", handoff={"mode": "catch_up", "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64}), reqs, outages=outages)
     assert sorted(r.rid for r in run.records()) == list(range(len(reqs)))

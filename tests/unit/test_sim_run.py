@@ -17,8 +17,18 @@ from app.sim.run import TimedTraffic, agentic_at, grid_search
 from app.sim.workload import check_window, fitted_to_window, fixed_hit, hit_rate
 from tests.unit.test_sim_twin import tiny_args, tiny_config
 
-SMALL = AgenticWorkload(requests=400, rps=2.0, seed=3, first_prompt_median=3000, max_context_tokens=16000,
-                        output_median=60, think_time_min_s=2, think_time_mean_s=3, turns_min=3, turns_max=8)
+SMALL = AgenticWorkload(
+    requests=400,
+    rps=2.0,
+    seed=3,
+    first_prompt_median=3000,
+    max_context_tokens=16000,
+    output_median=60,
+    think_time_min_s=2,
+    think_time_mean_s=3,
+    turns_min=3,
+    turns_max=8,
+)
 
 
 def test_generator_follows_its_settings():
@@ -52,8 +62,9 @@ def test_a_turn_waits_for_its_predecessors_answer_at_the_set_pace():
             continue
         before = plain[sid]
         n = min(len(turns), len(before))
-        assert [(r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in turns[:n]] == \
-            [(r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in before[:n]]
+        assert [(r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in turns[:n]] == [
+            (r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in before[:n]
+        ]
         for k in range(1, n):
             grown = (turns[k].arrival_s - turns[k - 1].arrival_s) - (before[k].arrival_s - before[k - 1].arrival_s)
             assert grown == pytest.approx(0.05 * turns[k - 1].output_tokens)
@@ -94,15 +105,18 @@ def test_trace_fields_are_checked(tmp_path):
 GOOD_LINE = {"arrival_s": 0.5, "session": "c1", "prompt_tokens": 100, "prefix_tokens": 0, "output_tokens": 8}
 
 
-@pytest.mark.parametrize(("line", "named"), [
-    ("not json", "Invalid JSON"),
-    ("[1, 2]", "object"),
-    (json.dumps({k: v for k, v in GOOD_LINE.items() if k != "session"}), "session: Field required"),
-    (json.dumps({**GOOD_LINE, "prompt_tokens": "many"}), "prompt_tokens"),
-    (json.dumps({**GOOD_LINE, "output_tokens": 0}), "output_tokens"),
-    (json.dumps({**GOOD_LINE, "arrival_s": -1}), "arrival_s"),
-    ('{"arrival_s": NaN, "session": 1, "prompt_tokens": 10, "prefix_tokens": 0, "output_tokens": 1}', "arrival_s: Input should be a finite number"),
-])
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("not json", "Invalid JSON"),
+        ("[1, 2]", "object"),
+        (json.dumps({k: v for k, v in GOOD_LINE.items() if k != "session"}), "session: Field required"),
+        (json.dumps({**GOOD_LINE, "prompt_tokens": "many"}), "prompt_tokens"),
+        (json.dumps({**GOOD_LINE, "output_tokens": 0}), "output_tokens"),
+        (json.dumps({**GOOD_LINE, "arrival_s": -1}), "arrival_s"),
+        ('{"arrival_s": NaN, "session": 1, "prompt_tokens": 10, "prefix_tokens": 0, "output_tokens": 1}', "arrival_s: Input should be a finite number"),
+    ],
+)
 def test_a_bad_trace_line_is_named_with_its_field(tmp_path, line, named):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps(GOOD_LINE) + "\n\n" + line + "\n")
@@ -190,7 +204,7 @@ def test_goodput_search_brackets_the_answer():
     assert found.rps > 0 and found.summary is not None and found.summary.meets(config.slo)
     met = {round(math.log(r) / math.log(1.1)): ok for r, _, ok in found.probes}
     k = round(math.log(found.rps) / math.log(1.1))
-    assert found.rps == pytest.approx(1.1 ** k)
+    assert found.rps == pytest.approx(1.1**k)
     # the next grid load failed, the two below met the SLO, and no lower load failed
     assert met[k + 1] is False and met[k - 1] and met[k - 2]
     assert all(ok for j, ok in met.items() if j < k)
@@ -262,8 +276,22 @@ def test_cli_prints_the_table_and_writes_plots(tmp_path):
     from app.sim.cli import cli
 
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--requests", "200", "--rps", "2",
-                                      "--compare", "pd_cross_dc_naive", "--out", str(out), "--json", str(tmp_path / "f.json")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            str(_config_file(tmp_path)),
+            "--requests",
+            "200",
+            "--rps",
+            "2",
+            "--compare",
+            "pd_cross_dc_naive",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "f.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     for figure in ("TTFT p99", "TPOT p90", "worst gap", "SLA goodput", "GPU cost", "BCR", "WAN (Gbps)"):
         assert figure in result.output
@@ -279,8 +307,9 @@ def test_cli_starts_warm_unless_told_to_start_cold(tmp_path):
     hits = {}
     for flag in ([], ["--cold-start"]):
         path = tmp_path / f"f{len(flag)}.json"
-        result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--requests", "150", "--rps", "2", "--warmup", "0",
-                                          "--out", str(tmp_path), "--json", str(path), *flag])
+        result = CliRunner().invoke(
+            cli, [str(_config_file(tmp_path)), "--requests", "150", "--rps", "2", "--warmup", "0", "--out", str(tmp_path), "--json", str(path), *flag]
+        )
         assert result.exit_code == 0, result.output
         hits[bool(flag)] = json.loads(path.read_text())["runs"]["pdd"]["prefill_hit"]
     assert hits[False] > hits[True]
@@ -292,15 +321,13 @@ def test_cli_search_sweep_and_trace(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_trace(trace, SMALL.model_copy(update={"requests": 150}).generate())
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(trace), "--search", "--out", str(out),
-                                      "--json", str(tmp_path / "f.json")])
+    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(trace), "--search", "--out", str(out), "--json", str(tmp_path / "f.json")])
     assert result.exit_code == 0, result.output
     assert "highest RPS meeting the SLO" in result.output
     assert json.loads((tmp_path / "f.json").read_text())["search"]["pdd"]["rps"] > 0
     settings = tmp_path / "w.yaml"
     settings.write_text(yaml.safe_dump({"first_prompt_median": 2000, "max_context_tokens": 8000, "turns_max": 5, "turns_min": 2}))
-    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(settings), "--requests", "120",
-                                      "--sweep-hit", "--out", str(out)])
+    result = CliRunner().invoke(cli, [str(_config_file(tmp_path)), "--workload", str(settings), "--requests", "120", "--sweep-hit", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert (out / "sim_bathtub.png").stat().st_size > 0
 
@@ -316,22 +343,29 @@ def test_cli_names_a_missing_spec(tmp_path):
     assert result.exit_code == 2 and "model.spec" in result.output
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--warmup", "1"], "--warmup: 1 is not a share"),
-    (["--rps", "inf"], "rps: Input should be a finite number"),
-    (["--workload", "EMPTY"], "the trace holds no requests"),
-    (["--workload", "LIST"], "expected a mapping of AgenticWorkload fields"),
-    (["--workload", "BADFIELD"], "turns_min: Input should be greater than or equal to 1"),
-    (["--workload", "ONE", "--search"], "all arrive at one time"),
-    (["--jobs", "0"], "--jobs: 0 is not a number of processes"),
-])
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--warmup", "1"], "--warmup: 1 is not a share"),
+        (["--rps", "inf"], "rps: Input should be a finite number"),
+        (["--workload", "EMPTY"], "the trace holds no requests"),
+        (["--workload", "LIST"], "expected a mapping of AgenticWorkload fields"),
+        (["--workload", "BADFIELD"], "turns_min: Input should be greater than or equal to 1"),
+        (["--workload", "ONE", "--search"], "all arrive at one time"),
+        (["--jobs", "0"], "--jobs: 0 is not a number of processes"),
+    ],
+)
 def test_cli_names_bad_options_and_workloads(tmp_path, args, named):
     from app.sim.cli import cli
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_args()))
-    files = {"EMPTY": ("empty.jsonl", "\n"), "LIST": ("list.yaml", "- 1\n"), "BADFIELD": ("bad.yaml", "turns_min: 0\n"),
-             "ONE": ("one.jsonl", json.dumps(GOOD_LINE) + "\n")}
+    files = {
+        "EMPTY": ("empty.jsonl", "\n"),
+        "LIST": ("list.yaml", "- 1\n"),
+        "BADFIELD": ("bad.yaml", "turns_min: 0\n"),
+        "ONE": ("one.jsonl", json.dumps(GOOD_LINE) + "\n"),
+    }
     for i, a in enumerate(args):
         if a in files:
             name, text = files[a]

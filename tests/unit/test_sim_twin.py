@@ -23,14 +23,14 @@ from app.sim.routing import KeyChain
 from app.sim.workload import AgenticWorkload, Request
 
 # Round figures so the closed-form cases can be written by hand.
-FLOPS = 100e12          # 100 TFLOP/s, efficiency 1
-BW = 1000e9             # 1 TB/s
-FLOP_PER_TOKEN = 2e9    # 1B active parameters
-WEIGHTS = 2e9           # 1B parameters x 2 bytes (dense: active == total)
-ATTN = 1e6              # FLOPs per (query, key) pair
-KVB = 1000              # KV bytes per token
+FLOPS = 100e12  # 100 TFLOP/s, efficiency 1
+BW = 1000e9  # 1 TB/s
+FLOP_PER_TOKEN = 2e9  # 1B active parameters
+WEIGHTS = 2e9  # 1B parameters x 2 bytes (dense: active == total)
+ATTN = 1e6  # FLOPs per (query, key) pair
+KVB = 1000  # KV bytes per token
 BLOCK = 16
-WAN_BPS = 1000e6 / 8    # 1 Gb/s
+WAN_BPS = 1000e6 / 8  # 1 Gb/s
 RTT = 0.020
 
 
@@ -38,9 +38,11 @@ def tiny_args(mode: str = "pdd") -> dict[str, Any]:
     spec = {"peak_tflops": FLOPS / 1e12, "memory_bandwidth_gbps": BW / 1e9, "memory_gib": 16}
     return {
         "mode": mode,
-        "model": {"block_size": BLOCK, "max_model_len": 65536,
-                  "spec": {"active_params_b": 1, "weight_bytes_per_param": 2, "kv_bytes_per_token": KVB,
-                           "attention_flops_per_token_pair": ATTN}},
+        "model": {
+            "block_size": BLOCK,
+            "max_model_len": 65536,
+            "spec": {"active_params_b": 1, "weight_bytes_per_param": 2, "kv_bytes_per_token": KVB, "attention_flops_per_token_pair": ATTN},
+        },
         "node_groups": {
             "a": {"datacenter": "dc-a", "accelerator": "X", "num_gpus": 1, "cost_per_hour": 2.0, "spec": spec},
             "b": {"datacenter": "dc-b", "accelerator": "Y", "num_gpus": 1, "cost_per_hour": 3.0, "spec": spec},
@@ -87,6 +89,7 @@ def only(run) -> Any:
 
 
 # ---- closed-form cases: one request on idle instances and idle links ---------------------
+
 
 def test_colocated_one_request_by_hand():
     r = only(simulate(tiny_config("colocated"), [Request(0.0, "s", 1000, 0, 4)]))
@@ -159,16 +162,19 @@ def test_a_decoder_replicas_own_time_delays_each_request_it_gets_after_ps_first_
     assert delayed.max_gap_s - base.max_gap_s == pytest.approx(0.007 if delays_the_second_token else 0.0, abs=1e-12)
 
 
-@pytest.mark.parametrize(("mode", "routing", "pipeline"), [("pd_intra_dc", {}, Pipeline.p_d), ("pdd", {}, Pipeline.p_md),
-                                                          ("pdd", {"max_wan_transfer_ms": 1}, Pipeline.p_rld_md)])
+@pytest.mark.parametrize(
+    ("mode", "routing", "pipeline"), [("pd_intra_dc", {}, Pipeline.p_d), ("pdd", {}, Pipeline.p_md), ("pdd", {"max_wan_transfer_ms": 1}, Pipeline.p_rld_md)]
+)
 def test_a_decoders_first_step_after_its_pull_is_a_chunk_after_a_prefix(mode, routing, pipeline):
     """The decoder computes the prompt's last token itself: its first step pays the cost per chunk after a prefix."""
+
     def gap(f_ms: float) -> float:
         decoder = FittedPerf(2.0, 0.01, 0.1, 0, f_ms_per_prefix_chunk=f_ms)
         models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": decoder, "main_decode": decoder}
         r = only(simulate(tiny_config(mode, routing=routing), [Request(0.0, "s", 1000, 0, 8)], models))
         assert r.pipeline is pipeline
         return r.max_gap_s
+
     assert gap(8.0) - gap(0.0) == pytest.approx(0.008, abs=1e-12)
 
 
@@ -219,19 +225,18 @@ def test_pd_intra_dc_pulls_over_the_intra_link():
 
 # ---- PDD behaviour ----------------------------------------------------------------------
 
+
 def test_relay_masks_a_long_transfer_and_hands_over():
     # a 1 ms threshold forces the relay; a slow WAN makes the relay produce many eager tokens
     slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
-    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 4000},
-                         links=slow_wan)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 4000}, links=slow_wan)
     r = only(simulate(config, [Request(0.0, "s", 4000, 0, 1200)]))
     assert r.pipeline is Pipeline.p_rld_md
     assert 0 < r.relay_tokens < 1199
     transfer = 0.02 + math.ceil(4000 / BLOCK) * BLOCK * KVB / (20e6 / 8)
     assert r.max_gap_s < transfer / 5  # the relay hid the transfer from the stream
     # a cap below what the transfer needs: RLD stops and the stream waits for MD
-    capped = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 100},
-                         links=slow_wan)
+    capped = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 100}, links=slow_wan)
     c = only(simulate(capped, [Request(0.0, "s", 4000, 0, 1200)]))
     assert c.relay_tokens == 100 and c.max_gap_s > transfer / 2
 
@@ -239,8 +244,7 @@ def test_relay_masks_a_long_transfer_and_hands_over():
 def test_at_its_cap_the_relay_ends_its_request():
     # relay.py aborts RLD's request at the cap: the cap bounds what one request costs the relay
     slow_wan = [tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}]
-    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 100},
-                         links=slow_wan)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1}, handoff={"mode": "one_shot", "relay_cap_tokens": 100}, links=slow_wan)
     twin = app.sim.twin.Twin(config)
     (r,) = twin.run([Request(0.0, "s", 4000, 0, 1200)]).records()
     assert r.relay_tokens == 100
@@ -316,9 +320,12 @@ def test_catch_up_rounds_go_through_policy(monkeypatch):
         return step
 
     monkeypatch.setattr(app.sim.pdd, "next_handoff_step", spy)
-    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 1},
-                         handoff={"mode": "catch_up", "catch_up_threshold_tokens": 8, "relay_cap_tokens": 4000},
-                         links=[tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}])
+    config = tiny_config(
+        "pdd",
+        routing={"max_wan_transfer_ms": 1},
+        handoff={"mode": "catch_up", "catch_up_threshold_tokens": 8, "relay_cap_tokens": 4000},
+        links=[tiny_args()["links"][0], {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 20, "rtt_ms": 20}],
+    )
     r = only(simulate(config, [Request(0.0, "s", 4000, 0, 2000)]))
     assert r.pipeline is Pipeline.p_rld_md
     assert steps[0][3] == "catch_up" and steps[-1][3] == "final"
@@ -347,7 +354,8 @@ def test_decode_side_cache_cuts_wan_bytes_on_follow_up_turns():
 
 requests_st = st.lists(
     st.tuples(st.floats(0, 20), st.integers(0, 4), st.integers(1, 20_000), st.floats(0, 1), st.integers(1, 700)),
-    min_size=1, max_size=30,
+    min_size=1,
+    max_size=30,
 )
 
 
@@ -356,9 +364,12 @@ requests_st = st.lists(
 @given(raw=requests_st, handoff=st.sampled_from(["one_shot", "catch_up", "auto"]), threshold=st.sampled_from([1, 300, 5000]))
 def test_every_request_finishes_exactly_once(mode, raw, handoff, threshold):
     reqs = [Request(t, s, p, int(h * p), o) for t, s, p, h, o in sorted(raw)]
-    config = tiny_config(mode, routing={"max_wan_transfer_ms": threshold},
-                         handoff={"mode": handoff, "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64},
-                         roles__main_decode__engine={"max_num_seqs": 3, "kv_cache_gib": 1})
+    config = tiny_config(
+        mode,
+        routing={"max_wan_transfer_ms": threshold},
+        handoff={"mode": handoff, "catch_up_threshold_tokens": 4, "relay_cap_tokens": 64},
+        roles__main_decode__engine={"max_num_seqs": 3, "kv_cache_gib": 1},
+    )
     run = simulate(config, reqs)
     a = run.results.arrays()
     assert sorted(a["rid"].tolist()) == list(range(len(reqs)))
@@ -375,9 +386,13 @@ def _pools(config, reqs):
 
 
 def test_same_seed_same_run_other_seed_other_draws():
-    config = tiny_config("pdd", links=[tiny_args()["links"][0],
-                                       {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 1000, "rtt_ms": 20,
-                                        "jitter": {"distribution": "exponential", "mean_ms": 30}}])
+    config = tiny_config(
+        "pdd",
+        links=[
+            tiny_args()["links"][0],
+            {"between": ["dc-a", "dc-b"], "bandwidth_mbps": 1000, "rtt_ms": 20, "jitter": {"distribution": "exponential", "mean_ms": 30}},
+        ],
+    )
     w = AgenticWorkload(requests=300, rps=2, seed=7, first_prompt_median=3000, max_context_tokens=16000, think_time_min_s=1, think_time_mean_s=2)
     a = simulate(config, w, seed=1).results.arrays()
     b = simulate(config, w, seed=1).results.arrays()
@@ -394,6 +409,7 @@ def test_workload_generator_is_seeded():
 
 
 # ---- policy parity ----------------------------------------------------------------------
+
 
 def test_twin_calls_the_policy_module_itself():
     for name in ("choose_pipeline", "blocks_missing", "next_handoff_step", "relay_cap", "resolve_handoff_mode"):

@@ -16,9 +16,15 @@ from tests.unit.test_sim_twin import BLOCK, KVB, prefill_s, tiny_config
 PREFIX = 1600  # 100 blocks
 
 
-@pytest.mark.parametrize("mode, decoder_reuses_its_cache", [
-    ("pdd", True), ("pd_intra_dc", True), ("colocated", True), ("pd_cross_dc_naive", False),
-])
+@pytest.mark.parametrize(
+    "mode, decoder_reuses_its_cache",
+    [
+        ("pdd", True),
+        ("pd_intra_dc", True),
+        ("colocated", True),
+        ("pd_cross_dc_naive", False),
+    ],
+)
 def test_a_conversation_under_way_finds_its_prefix_where_its_turns_are_routed(mode, decoder_reuses_its_cache):
     turn = [Request(0.0, "s", 2000, PREFIX, 4)]
     cold = simulate(tiny_config(mode), turn).records()[0]

@@ -30,8 +30,7 @@ def test_answer_carries_the_slo_percentile_figures_goodput_and_cost():
 
 
 def test_more_prefill_lowers_ttft_under_load():
-    config = tiny_config("pdd", model={**tiny_args()["model"], "max_model_len": 16384},
-                         roles__prefill__engine={"max_num_batched_tokens": 2048})
+    config = tiny_config("pdd", model={**tiny_args()["model"], "max_model_len": 16384}, roles__prefill__engine={"max_num_batched_tokens": 2048})
     knobs = LiveKnobs()
     one = what_if(config, {"prefill": 1}, knobs, 6.0, requests=600)
     three = what_if(config, {"prefill": 3}, knobs, 6.0, requests=600)
