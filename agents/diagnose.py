@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from agents import figures as f
 from agents.knobs import get_knob, replica_target
 from agents.memory import Memory
-from agents.observe import Snapshot
 from app.config import AgentsConfig, LiveKnobs, PDDConfig, RoleName
+from app.telemetry.snapshot import Snapshot
 
 RLD_OVERLOAD = "rld_overload"
 MD_HIT_BEHIND = "md_hit_behind"

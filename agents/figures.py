@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agents.observe import Snapshot
 from app.config import LinkConfig, PDDConfig, RoleName, SLOConfig
 from app.policy import Pipeline
 from app.roles import DEPLOYMENT_NAMES
+from app.telemetry.snapshot import Snapshot
 
 #: The middle of the hit-rate range where PDD's benefit dips (the bathtub's
 #: valley, PDD.md mechanism 6): neither end's advantage applies there.

@@ -39,7 +39,6 @@ from agents.figures import slo_figures
 from agents.guard import direction, guard
 from agents.knobs import Change, is_notice, is_replicas, kind_of, role_of, with_knobs
 from agents.memory import Block, Filed, Growth, Memory, MemoryBackend, Unit, growth_key, record_history
-from agents.observe import ObserveError, Snapshot, Source
 from agents.proposal import Decision, Proposal
 from agents.router import Router, hand_to
 from agents.specialists import ALL, CLERK, PROPOSERS
@@ -47,6 +46,7 @@ from agents.specialists.base import View
 from agents.verify import verify
 from agents.whatif import WhatIf
 from app.config import AgentMode, AgentsConfig, LiveKnobs, PDDConfig
+from app.telemetry.snapshot import ObserveError, Snapshot, Source
 
 #: A rolled-back move stays blocked for this many cooldowns, doubled for each rollback of
 #: the same move in a row (up to MAX_BLOCK_DOUBLINGS times): otherwise a move that keeps

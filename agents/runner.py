@@ -25,12 +25,12 @@ from agents.actuate import Actuator, DryRunActuator, ServeActuator
 from agents.entries import EntrySink, FileEntries
 from agents.graph import Deps, TickState, build_graph, new_tick_id
 from agents.memory import StoreBackend, read_history, read_runs, record_run
-from agents.observe import PromSource, Source
-from agents.queries import QuerySet
 from agents.router import Router, make_router
 from agents.whatif import WhatIf, load_what_if
 from app.config import AgentMode, AgentsConfig, PDDConfig
 from app.config_file import load_config
+from app.telemetry.queries import QuerySet
+from app.telemetry.snapshot import PromSource, Source
 
 DEFAULT_APP = "pdd"
 

@@ -24,16 +24,16 @@ from agents.figures import deployment
 from agents.graph import Deps, build_graph, new_tick_id
 from agents.knobs import Change
 from agents.memory import InMemoryBackend, Memory
-from agents.observe import Snapshot, StaticSource
 from agents.proposal import Decision
 from agents.router import Router, RuleRouter
 from agents.verify import Verdict
 from agents.whatif import WhatIf
 from app.config import MODE_ROLES, AgentMode, LiveKnobs, Mode, PDDConfig, RoleName
 from app.kv.link import direction_name
-from app.metrics import RATIO_BUCKETS
 from app.policy import Pipeline
 from app.sim import Request, SimRun, simulate
+from app.telemetry.metrics import RATIO_BUCKETS
+from app.telemetry.snapshot import Snapshot, StaticSource
 
 
 @dataclass
@@ -158,10 +158,10 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
     caches. Give `end_s` as the end of the offered traffic when the cluster
     may be overloaded: turns held back behind their conversation's previous
     one are sent late, and past that end they are a backlog, not traffic of
-    the window. Figures follow agents/queries.py: percentiles at
+    the window. Figures follow app/telemetry/queries.py: percentiles at
     `config.slo.percentile` (exact, where Prometheus interpolates buckets),
     rates per second of the window, gaps and SLO violations counted as
-    app/metrics.py's `record_journey` counts them.
+    app/telemetry/metrics.py's `record_journey` counts them.
 
     Where the twin's per-request records are silent, the figure is derived:
     - requests in progress per deployment (Serve's own gauge), by Little's

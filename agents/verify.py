@@ -17,8 +17,8 @@ from agents.controllers import regressed
 from agents.figures import slo_figures, slo_score
 from agents.knobs import Change
 from agents.memory import Unit
-from agents.observe import Snapshot
 from app.config import AgentsConfig, SLOConfig
+from app.telemetry.snapshot import Snapshot
 
 #: A unit without data is kept after waiting this many verify periods.
 NO_DATA_PERIODS = 3

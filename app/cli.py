@@ -14,9 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from agents.chatops.cli import ask as ask_command
-from agents.cli import agents_cli
-from app import cluster, native
+from app import cluster, extensions, native
 from app.config_file import ConfigError, load_config
 from app.fault_cli import fault_cli
 from app.readiness import await_ready
@@ -29,11 +27,15 @@ cluster_cli = typer.Typer(help="A local Ray cluster with one node per datacenter
 native_cli = typer.Typer(help="Compiled (Cython) builds of the digital twin's hot modules (app/native.py).", no_args_is_help=True)
 main.add_typer(cluster_cli, name="cluster")
 main.add_typer(native_cli, name="native")
-main.add_typer(agents_cli, name="agents")
 main.add_typer(fault_cli, name="fault")
-main.command("ask")(ask_command)
 main.command("sim")(sim_command)
 main.command("calibrate")(calibrate_command)
+# `pdd agents` and `pdd ask` come from agents/ (pyproject.toml's entry points)
+for name, command in extensions.commands():
+    if isinstance(command, typer.Typer):
+        main.add_typer(command, name=name)
+    else:
+        main.command(name)(command)
 
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")
 
@@ -84,7 +86,7 @@ def status(
 @main.command()
 def rules(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path = typer.Option(Path("pdd-rules.yaml"), "-o", help="Where to write")) -> None:
     """Write Prometheus recording + alerting rules for the config's SLOs."""
-    from app.observability import write_rules
+    from app.telemetry.observability import write_rules
 
     console.print(str(write_rules(_load(config_path), output)))
 
@@ -92,7 +94,7 @@ def rules(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path = typ
 @main.command()
 def dashboard(config_path: Path = typer.Argument(DEFAULT_CONFIG), output: Path = typer.Option(Path("pdd-dashboard.json"), "-o", help="Where to write")) -> None:
     """Write the importable Grafana dashboard."""
-    from app.observability import write_dashboard
+    from app.telemetry.observability import write_dashboard
 
     console.print(str(write_dashboard(_load(config_path), output)))
 
@@ -287,8 +289,8 @@ def _start_prometheus(config, ray_temp_dir: str | None):
     """Debian's Prometheus against the cluster's service discovery, with the SLO rules; None when absent."""
     from urllib.parse import urlparse
 
-    from app import prometheus
-    from app.observability import write_rules
+    from app.telemetry import prometheus
+    from app.telemetry.observability import write_rules
 
     if prometheus.binary() is None:
         console.print(f"[yellow]{prometheus.INSTALL_HINT}[/yellow]; metrics stay on Ray's endpoints, agents do not start")

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from msgspec.structs import replace
 from tokenizers import Tokenizer
 
-from app import metrics
 from app.config import LinkConfig, LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import EngineClient, NoReplicaError
@@ -31,6 +30,7 @@ from app.policy import LinkBacklog, Pipeline, affinity_room
 from app.prefix_index import PrefixIndex
 from app.readiness import readiness
 from app.relay import pdd_pipeline
+from app.telemetry import metrics
 from app.textstream import TextAssembler
 from app.token_channel import EngineDelta, EngineRequest, TokenLogprob
 

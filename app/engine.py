@@ -114,7 +114,7 @@ def _connector_stats_logger(replica_id: str, state: ConnectorState):
     """A vLLM stat logger: the connector's lease gauge as a Ray metric, its reports to `state`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    from app import metrics
+    from app.telemetry import metrics
 
     class ConnectorStatsLogger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):

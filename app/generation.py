@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app import metrics
 from app.config import Mode, RoleName
 from app.engine import ReplicaInfo
 from app.journal import Journey
+from app.telemetry import metrics
 from app.token_channel import ChannelClosed, EngineDelta, SamplingOptions, TokenLogprob
 
 

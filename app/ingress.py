@@ -25,11 +25,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agents.chatops.endpoint import ChatOpsRequest, chat_endpoint
 from app.conductor import Conductor
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
 from app.engine_client import EngineClient, NoReplicaError
+from app.extensions import ChatOps, ChatOpsRequest, chat_ops
 from app.generation import EngineError, GenerationRequest, Output, RequestTimeout
 from app.index_store import IndexStore
 from app.journal import JOURNAL_CAPACITY
@@ -326,6 +326,7 @@ class ConductorIngress:
             IndexStore(context.app_name),
         )
         self.keys = ApiKeys(self.config.server.api_keys)
+        self.chat_ops: ChatOps | None = None
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()
 
@@ -613,7 +614,9 @@ class ConductorIngress:
     async def chat(self, body: ChatOpsRequest, request: Request) -> StreamingResponse:
         """Chat-ops (agents/chatops): an answer about the cluster as SSE, then the figures it used; read-only."""
         key = self.keys.check(request)
-        return await chat_endpoint(self, self.config, self.conductor).respond(body, key)
+        if self.chat_ops is None:  # built on first use: most replicas never chat
+            self.chat_ops = chat_ops(self.config, self.conductor, serve.get_replica_context().app_name)
+        return await self.chat_ops.respond(body, key)
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:

@@ -79,7 +79,7 @@ class Journey:
     error: str | None = None
     finished_at: float | None = None
     recorded_roles: set[str] = field(default_factory=set, repr=False)
-    """Bookkeeping of app.metrics.record_kv (not part of the journey's story)."""
+    """Bookkeeping of app.telemetry.metrics.record_kv (not part of the journey's story)."""
     recorded_transfers: int = field(default=0, repr=False)
 
     def note_first_token(self, role: str, delta: EngineDelta, *, replace: bool) -> None:

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from app import metrics
 from app.config import HandoffMode, RoleName
 from app.engine import ReplicaInfo
 from app.engine_client import NoReplicaError
@@ -47,6 +46,7 @@ from app.policy import (
     relay_cap,
     resolve_handoff_mode,
 )
+from app.telemetry import metrics
 from app.token_channel import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:

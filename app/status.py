@@ -1,6 +1,6 @@
 """`pdd status`: the cluster at a glance, from GET /pdd/state and Prometheus.
 
-The same figures the agents read (agents/observe.py's snapshot), beside the
+The same figures the agents read (app/telemetry/snapshot.py's snapshot), beside the
 SLO targets, in green when met and red when not. Without Prometheus the recent
 figures the conductor keeps itself are shown instead.
 """
@@ -17,7 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from app.config import PDDConfig
-from app.observability import APP_NAME, query_set
+from app.telemetry.observability import APP_NAME, query_set
 
 
 def api_headers() -> dict[str, str]:
@@ -34,7 +34,7 @@ def fetch_state(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
 
 
 def fetch_snapshot(prometheus_url: str, config: PDDConfig, app_name: str = APP_NAME):
-    from agents.observe import PromSource
+    from app.telemetry.snapshot import PromSource
 
     return PromSource(prometheus_url, query_set(config, app_name)).snapshot(time.time())
 

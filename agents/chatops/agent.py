@@ -27,11 +27,11 @@ from agents.chatops.rules import RuleAgent
 from agents.chatops.sources import DataSource
 from agents.chatops.templates import templates
 from agents.chatops.tools import Toolbox
-from agents.observe import PromSource
-from agents.queries import QuerySet
 from agents.router import chat_model
 from agents.whatif import WhatIf
 from app.config import AgentsConfig, PDDConfig
+from app.telemetry.queries import QuerySet
+from app.telemetry.snapshot import PromSource
 
 
 def llm_for(agents: AgentsConfig) -> BaseChatModel | None:

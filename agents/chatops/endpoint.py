@@ -1,13 +1,13 @@
-"""POST /pdd/chat on the ingress: the request body, and one chat agent per ingress replica.
+"""POST /pdd/chat on the ingress: one chat agent per ingress replica.
 
-The ingress route (app/ingress.py) checks the API key and hands over here.
-The agent reads state and journeys from the replica's own conductor
-(InProcessSource), is built on the first chat request, and keeps its
-conversation checkpointer open for the replica's life. Thread ids are scoped
-to the caller's API key, so one key's conversations are not readable with another.
+The ingress route (app/ingress.py) checks the API key and hands over here,
+through the `pdd_serve.chat_ops` entry point (app/extensions.py). The agent
+reads state and journeys from the replica's own conductor (InProcessSource), is
+built on the first chat request, and keeps its conversation checkpointer open
+for the replica's life. Thread ids are scoped to the caller's API key, so one
+key's conversations are not readable with another.
 
-Light imports only at module level: the ingress imports this module in every
-replica, and most never chat.
+Light imports only at module level: the agent's own are made when it is built.
 """
 
 from __future__ import annotations
@@ -16,25 +16,16 @@ import asyncio
 import hashlib
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
+from app.config import PDDConfig
+from app.extensions import ChatOpsRequest
 from app.openai_api import APIError
 
 logger = logging.getLogger(__name__)
-
-
-class ChatOpsRequest(BaseModel):
-    """Body of POST /pdd/chat."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    message: str = Field(min_length=1, max_length=8000, description="A question about the cluster, or a change to propose")
-    thread_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="Continue this conversation; none starts one")
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -42,7 +33,9 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class ChatEndpoint:
-    def __init__(self, config, conductor, app_name: str):
+    """app.extensions.ChatOps for one ingress replica; the `pdd_serve.chat_ops` entry point builds it."""
+
+    def __init__(self, config: PDDConfig, conductor: Any, app_name: str):
         self.config = config
         self.conductor = conductor
         self.app_name = app_name
@@ -87,16 +80,3 @@ class ChatEndpoint:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"x-thread-id": thread})
-
-
-_endpoints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def chat_endpoint(owner: object, config, conductor) -> ChatEndpoint:
-    """The chat endpoint of one ingress replica (`owner`), built on first use."""
-    endpoint = _endpoints.get(owner)
-    if endpoint is None:
-        from ray import serve
-
-        endpoint = _endpoints[owner] = ChatEndpoint(config, conductor, serve.get_replica_context().app_name)
-    return endpoint

@@ -32,11 +32,11 @@ from agents.entries import FileEntries
 from agents.graph import new_tick_id
 from agents.guard import current_value, guard
 from agents.knobs import CHOICE_KNOBS, INTEGER_KNOBS, Change, is_replicas, kind_of, replica_target
-from agents.observe import StaticSource
 from agents.proposal import Proposal
 from agents.router import RuleRouter
 from agents.runner import Swarm
 from app.config import AgentMode, LiveKnobs, PDDConfig
+from app.telemetry.snapshot import StaticSource
 
 SPECIALIST = "chatops"
 #: The situation chat proposals are filed under (their entries' `situation`).

@@ -1,17 +1,17 @@
 """Named PromQL queries for the questions operators ask most.
 
-Most are the swarm's own queries (agents/queries.py), so chat-ops and the
+Most are the swarm's own queries (app/telemetry/queries.py), so chat-ops and the
 agents quote the same figures for the same question; a few more cover what
 only people ask about (violations by pipeline, failures by reason, handoffs).
-Every metric name comes from app/metrics.py through `prom_name()`.
+Every metric name comes from app/telemetry/metrics.py through `prom_name()`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.queries import QuerySet
-from app import metrics as m
+from app.telemetry import metrics as m
+from app.telemetry.queries import QuerySet
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from agents.chatops.evidence import Figure, as_data, clip, number
 from agents.chatops.sources import DataSource, SourceError, live_values
 from agents.chatops.templates import Template, catalogue
 from agents.diagnose import diagnose
-from agents.observe import ObserveError, Snapshot
 from agents.whatif import WhatIf, predict
 from app.config import PDDConfig
+from app.telemetry.snapshot import ObserveError, Snapshot
 
 MAX_SERIES = 40
 JOURNEY_FIELDS = (

@@ -8,10 +8,10 @@ from typing import Any
 from agents.diagnose import Evidence, Situation
 from agents.knobs import Change, get_knob, knob_bounds
 from agents.memory import Memory
-from agents.observe import Snapshot
 from agents.proposal import Proposal
 from agents.whatif import WhatIf
 from app.config import AgentsConfig, KnobBounds, LiveKnobs, PDDConfig
+from app.telemetry.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

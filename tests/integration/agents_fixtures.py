@@ -1,7 +1,7 @@
 """Fixtures for the agent tests: a PDD config, and a scripted exporter per named situation.
 
-The exporter serves exactly the metric names and labels app/metrics.py
-defines (and Ray Serve's replica metrics, agents/queries.py), named through
+The exporter serves exactly the metric names and labels app/telemetry/metrics.py
+defines (and Ray Serve's replica metrics, app/telemetry/queries.py), named through
 `prom_name`, with values that follow a scenario's levels: counters grow at
 the scenario's rates, histograms put each observation at the scenario's
 value, gauges hold theirs. A real Prometheus scrapes it.
@@ -19,14 +19,14 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from agents.actuate import DryRunActuator
-from agents.observe import StaticSource
-from agents.queries import SERVE_HEALTH_CHECK_FAILURES, SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
 from agents.router import RuleRouter
 from agents.runner import Swarm
-from app import metrics as m
 from app.config import PDDConfig
-from app.metrics import MetricSpec, prom_name
-from app.prometheus import PrometheusServer
+from app.telemetry import metrics as m
+from app.telemetry.metrics import MetricSpec, prom_name
+from app.telemetry.prometheus import PrometheusServer
+from app.telemetry.queries import SERVE_HEALTH_CHECK_FAILURES, SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
+from app.telemetry.snapshot import StaticSource
 
 APP = "pdd"
 WAN = "dc-a->dc-b"
@@ -284,7 +284,7 @@ def healthy_snapshot(at: float = 10_000.0, **fields: Any):
     """What the queries return for HEALTHY, as a typed Snapshot (unit tests, twin-style).
     An objective whose percentile `fields` put over pdd_config's target has requests over it
     (a fifth of the traffic), unless `fields` give slo_violation_rate_by_slo."""
-    from agents.observe import Snapshot
+    from app.telemetry.snapshot import Snapshot
 
     both = lambda v: {"P-MD": v, "P-RLD-MD": v}  # noqa: E731
     base: dict[str, Any] = dict(

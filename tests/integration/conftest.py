@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from app.cluster import kill_orphans, serve_env
-from app.prometheus import PrometheusServer, ray_service_discovery_file
+from app.telemetry.prometheus import PrometheusServer, ray_service_discovery_file
 
 pytestmark = pytest.mark.integration
 

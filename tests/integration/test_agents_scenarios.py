@@ -26,13 +26,13 @@ import pytest
 from agents.actuate import CONDUCTOR, ActuationError, DryRunActuator, ServeActuator, ray_auth_headers
 from agents.entries import read_entry
 from agents.knobs import get_knob, knob_bounds
-from agents.observe import StaticSource
-from agents.queries import SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
 from agents.router import RuleRouter
 from agents.runner import Swarm
 from app.config import LiveKnobs, RoleName
-from app.metrics import prom_name
-from app.prometheus import binary
+from app.telemetry.metrics import prom_name
+from app.telemetry.prometheus import binary
+from app.telemetry.queries import SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
+from app.telemetry.snapshot import StaticSource
 from tests.integration.agents_fixtures import HEALTHY, RELAY_OUTAGE_TTFT, SCENARIOS, WAN, LabelledPrometheus, ScriptedExporter, healthy_snapshot, pdd_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(binary() is None, reason="prometheus binary not installed")]

@@ -4,7 +4,7 @@ The chat model is the one the ingress builds from `agents.llm` (langchain-openai
 ChatOpenAI), pointed at a small OpenAI-compatible server this module runs: it
 answers chat completions (streamed or not) by rule, like a very literal and
 very gullible model, and quotes whatever figures the tools gave it. Prometheus
-scrapes a scripted exporter serving the metric names of app/metrics.py; one
+scrapes a scripted exporter serving the metric names of app/telemetry/metrics.py; one
 of its link labels carries a planted instruction.
 
 One colocated deployment (one engine) serves every test here.
@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from agents.chatops.evidence import number
 from app.cli import main
 from app.config import PDDConfig
-from app.prometheus import PrometheusServer
+from app.telemetry.prometheus import PrometheusServer
 from tests.conftest import local_args
 from tests.integration.agents_fixtures import HEALTHY, Levels, ScriptedExporter, pending
 from tests.integration.conftest import deploy_app, free_port

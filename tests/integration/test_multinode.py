@@ -137,8 +137,8 @@ def test_conversation_crosses_from_a_to_b(deployed):
 def test_prometheus_scrapes_both_datacenters_as_pdd_run_starts_it(cluster, deployed, tmp_path):
     """`pdd run` points Prometheus at its own cluster's service discovery (it read Ray's
     default folder, which lists another cluster's nodes, or none: the agents saw nothing)."""
-    from app.metrics import REQUESTS, prom_name
-    from app.prometheus import PrometheusServer, ray_service_discovery_file
+    from app.telemetry.metrics import REQUESTS, prom_name
+    from app.telemetry.prometheus import PrometheusServer, ray_service_discovery_file
 
     run(deployed, fresh(7, 300), 4)
     file_sd = ray_service_discovery_file(local_cluster.recorded_temp_dir(cluster.address))

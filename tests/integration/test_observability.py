@@ -17,11 +17,11 @@ import pytest
 from typer.testing import CliRunner
 
 from agents.chatops.rules import CAPABILITIES, NO_LLM_LINE
-from app import metrics
 from app.cli import main as pdd
 from app.config import PDDConfig
-from app.observability import dashboard_queries, rules, write_rules
 from app.readiness import describe
+from app.telemetry import metrics
+from app.telemetry.observability import dashboard_queries, rules, write_rules
 from tests.conftest import local_args, set_wan
 from tests.integration.agents_fixtures import pending
 from tests.integration.conftest import completion, deploy_app, free_port, ray_prometheus

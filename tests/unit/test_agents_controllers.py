@@ -11,11 +11,11 @@ import pytest
 from agents import figures as f
 from agents.controllers import regressed, relay_cap_goal, step_toward, wan_threshold_goal
 from agents.knobs import Change, get_knob, knob_bounds, limit, with_knobs
-from agents.observe import Snapshot
-from agents.queries import SERVE_SPECS, QuerySet
-from app import metrics as m
 from app.config import AgentsConfig, KnobBounds, LiveKnobs, PDDConfig, RoleName
-from app.metrics import prom_name
+from app.telemetry import metrics as m
+from app.telemetry.metrics import prom_name
+from app.telemetry.queries import SERVE_SPECS, QuerySet
+from app.telemetry.snapshot import Snapshot
 from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_args, pdd_config
 
 ROOT = Path(__file__).resolve().parents[2]

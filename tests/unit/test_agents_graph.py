@@ -16,12 +16,12 @@ from agents.diagnose import Evidence
 from agents.entries import FileEntries, read_entry
 from agents.knobs import Change
 from agents.memory import Memory
-from agents.observe import StaticSource
 from agents.proposal import Proposal
 from agents.router import LLMRouter, RuleRouter, tool_name
 from agents.runner import Swarm
 from agents.twin import TwinAgent, run_tick
 from app.config import AgentMode
+from app.telemetry.snapshot import StaticSource
 from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_args, pdd_config
 
 T0 = 10_000.0

@@ -14,10 +14,10 @@ from agents.chatops.evidence import FENCE, as_data, number
 from agents.chatops.propose import Refused, read_request, tunable_targets
 from agents.chatops.records import read_runbook, recent_entries, recent_ticks, runbook_names
 from agents.chatops.templates import templates
-from agents.queries import QuerySet
-from app import metrics as m
 from app.config import LiveKnobs
-from app.metrics import prom_name
+from app.telemetry import metrics as m
+from app.telemetry.metrics import prom_name
+from app.telemetry.queries import QuerySet
 from tests.integration.agents_fixtures import pdd_config
 
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}

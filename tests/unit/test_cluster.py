@@ -32,7 +32,7 @@ def test_prometheus_watches_the_service_discovery_of_the_cluster_up_started(tmp_
     """`up` gives its cluster its own temp folder, where Ray lists the metrics endpoints;
     another cluster at the address (a user's `ray start`) keeps Ray's default folder."""
     from app.config_file import load_config
-    from app.prometheus import ray_service_discovery_file
+    from app.telemetry.prometheus import ray_service_discovery_file
     from tests.conftest import LOCAL_CONFIG
 
     monkeypatch.setenv("PDD_CACHE_DIR", str(tmp_path))

@@ -69,8 +69,8 @@ def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_j
 
 
 def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_yet():
-    from agents.observe import Snapshot
     from app.status import figures_to_show
+    from app.telemetry.snapshot import Snapshot
 
     recent = {"window_s": 300, "by_pipeline": {"P-MD": {"requests": 3}}}
     state = {"slo": {"recent": recent}}

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from app import metrics
 from app.config import LinkConfig, PullOrder
 from app.kv.link import LinkModel, LinkRelay
 from app.kv.pull_threads import PullThreads
 from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
+from app.telemetry import metrics
 
 NUM_BLOCKS = 16
 LAYERS = 2

@@ -1,8 +1,8 @@
-"""app/prometheus.py: the Prometheus `pdd run` starts."""
+"""app/telemetry/prometheus.py: the Prometheus `pdd run` starts."""
 
 from __future__ import annotations
 
-from app.prometheus import PrometheusServer
+from app.telemetry.prometheus import PrometheusServer
 from tests.integration.conftest import free_port
 
 

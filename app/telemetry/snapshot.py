@@ -2,7 +2,7 @@
 
 A Snapshot is plain data (numbers and label -> number maps), so the digital
 twin can build one directly and the checkpointer stores it as JSON. Every
-field named like a query in agents/queries.py is filled by that query; a query
+field named like a query in app/telemetry/queries.py is filled by that query; a query
 with no data (no traffic yet, NaN from an empty histogram) leaves it unset.
 """
 
@@ -14,7 +14,7 @@ from typing import Protocol
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from pydantic import BaseModel
 
-from agents.queries import QuerySet
+from app.telemetry.queries import QuerySet
 
 
 class Snapshot(BaseModel):

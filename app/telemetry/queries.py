@@ -1,10 +1,10 @@
-"""The named PromQL queries the agents read, built from app/metrics.py's specs.
+"""The named PromQL queries the agents read, built from app/telemetry/metrics.py's specs.
 
-Every metric name comes from `prom_name()`: ours from app/metrics.py, Ray
+Every metric name comes from `prom_name()`: ours from app/telemetry/metrics.py, Ray
 Serve's own from the specs below (their names as Serve 2.60 registers them in
 ray/serve/_private/deployment_state.py and replica.py; Ray adds the `ray_`
 prefix on export like it does for ours). Each query's name is the Snapshot
-field it fills (agents/observe.py); `by` names the label a per-label query
+field it fills (app/telemetry/snapshot.py); `by` names the label a per-label query
 groups on.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app import metrics as m
 from app.config import PDDConfig
-from app.metrics import MetricSpec, prom_name
+from app.telemetry import metrics as m
+from app.telemetry.metrics import MetricSpec, prom_name
 
 # Ray Serve's own metrics, labelled application, deployment (and replica).
 SERVE_REPLICA_HEALTHY = MetricSpec(

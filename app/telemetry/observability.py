@@ -1,6 +1,6 @@
 """Prometheus rules and the Grafana dashboard, derived from the config's SLOs.
 
-Every expression comes from agents/queries.py's QuerySet, the queries the
+Every expression comes from app/telemetry/queries.py's QuerySet, the queries the
 agents themselves read, so a dashboard, an alert and an agent never disagree on
 what "TTFT p90" means. Recording rules are named `pdd:<query name>`.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from agents.queries import QuerySet
 from app.config import PDDConfig
+from app.telemetry.queries import QuerySet
 
 APP_NAME = "pdd"
 

@@ -1,0 +1,97 @@
+"""The import graph: agents/ sits on app/, app/telemetry/ under both, and no module imports itself back.
+
+Every import statement of every module under app/ and agents/ counts, those
+inside functions and under TYPE_CHECKING too: a lazy or typing-only import is
+still a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("app", "agents")
+#: What app/telemetry/ may import from the rest of the project.
+TELEMETRY_MAY_IMPORT = {"app.config"}
+#: The one cycle left: relay.py types its conductor argument as Conductor (#52: give the relay a narrow port).
+KNOWN_CYCLE_EDGES = {("app.relay", "app.conductor")}
+
+
+def project_modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "_native" in path.parts:
+                continue
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules `module` imports (a name imported from a package counts as its submodule when it is one)."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {known(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}".rstrip(".")
+            found |= {known(f"{base}.{alias.name}") if f"{base}.{alias.name}" in modules else known(base) for alias in node.names}
+    return {m for m in found if m and m != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {module: imports_of(module, path, modules) for module, path in modules.items()}
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert {"app.conductor", "app.telemetry.queries", "agents.graph", "agents.chatops.rules"} <= graph.keys()
+    assert "app.relay" in graph["app.conductor"] and "app.telemetry.snapshot" in graph["agents.diagnose"]
+    assert "app.conductor" in graph["app.relay"]  # the TYPE_CHECKING import counts
+
+
+def test_app_imports_nothing_from_agents():
+    upward = {(m, d) for m, deps in import_graph().items() if m.startswith("app") for d in deps if d.startswith("agents")}
+    assert not upward, f"app/ imports agents/ (add an extension point in app/extensions.py instead): {sorted(upward)}"
+
+
+def test_telemetry_sits_under_the_rest_of_the_app():
+    graph = import_graph()
+    wrong = {
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith("app.telemetry")
+        for d in deps
+        if not d.startswith("app.telemetry") and d not in TELEMETRY_MAY_IMPORT
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    present = {(m, d) for m, d in KNOWN_CYCLE_EDGES if d in graph.get(m, set())}
+    assert present == KNOWN_CYCLE_EDGES, f"a known cycle is gone: drop it from KNOWN_CYCLE_EDGES ({sorted(KNOWN_CYCLE_EDGES - present)})"
+    for module, dep in KNOWN_CYCLE_EDGES:
+        graph[module].discard(dep)
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as err:
+        raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
