@@ -1,6 +1,6 @@
 """build_app(args) -> the Serve application (import_path: app.builder:build_app).
 
-`args` is a PDDConfig (see app/config.py), usually written inline in a
+`args` is a PDDConfig (see app/config/), usually written inline in a
 serve_configs/*.yaml file. Placement comes from the config alone: each role's
 replicas ask for their node group's Ray resources and labels.
 """
