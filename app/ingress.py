@@ -8,29 +8,27 @@ Its `user_config` carries the live knobs (routing, handoff).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
-import os
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.api.admission import Admission, ApiKeys, SeatedStream, Seats
+from app.api.errors import ERROR_RESPONSES, install_error_handlers
+from app.api.streams import all_of, merge_streams, prompt_only, sse
 from app.conductor import Conductor
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.devmodel import resolve_model_source
-from app.engine_client import EngineClient, NoReplicaError
+from app.engine_client import EngineClient
 from app.extensions import ChatOps, ChatOpsRequest, chat_ops
-from app.generation import EngineError, GenerationRequest, Output, RequestTimeout
+from app.generation import GenerationRequest, Output
 from app.index_store import IndexStore
 from app.journal import JOURNAL_CAPACITY
 from app.link_directory import LinkDirectory
@@ -44,7 +42,6 @@ from app.openai_api import (
     CompletionRenderer,
     CompletionRequest,
     Echo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     Usage,
@@ -52,252 +49,13 @@ from app.openai_api import (
     now,
 )
 from app.replica_logging import log_to_stderr
-from app.token_channel import ChannelClosed, SamplingOptions
+from app.token_channel import SamplingOptions
 
 logger = logging.getLogger(__name__)
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    401: {"model": ErrorResponse, "description": "Missing or invalid API key"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-    429: {"model": ErrorResponse, "description": "Too many concurrent requests"},
-    500: {"model": ErrorResponse, "description": "Internal error (a bug)"},
-    502: {"model": ErrorResponse, "description": "An engine failed and no replica could take over"},
-    503: {"model": ErrorResponse, "description": "No engine replica available"},
-    504: {"model": ErrorResponse, "description": "The request ran past server.request_timeout_s"},
-}
 
 api = FastAPI(title="pdd-serve", version="0.1.0", description="OpenAI-compatible API of a PDD cluster")
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-@api.exception_handler(APIError)
-async def _api_error(_: Request, err: APIError) -> JSONResponse:
-    return _error_response(err)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_union_tag(part) -> bool:
-    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or "-" in part)
-
-
-def _param_path(loc) -> str | None:
-    """`body.messages.0.content.list[TextContentPart].0.text` -> `messages.0.content.0.text`:
-    the field path without pydantic's union-branch tags."""
-    parts = [str(p) for p in loc if not _is_union_tag(p)]
-    return ".".join(parts[1:] if parts[:1] in (["body"], ["query"], ["path"]) else parts) or None
-
-
-def _most_telling(errors: list[dict]) -> dict:
-    """The first error, or where a union's branches all failed on it, the branch that matched the
-    input's type and got furthest: `content: [{"type": "text"}]` fails as a string and as a list
-    of parts without `text`; the second says what is wrong."""
-    if not errors:
-        return {}
-    first = errors[0]
-    stem = list(itertools.takewhile(lambda p: not _is_union_tag(p), first.get("loc", ())))
-    siblings = [e for e in errors if list(e.get("loc", ()))[: len(stem)] == stem]
-    return max(siblings, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-    first = _most_telling(err.errors())
-    param = _param_path(first.get("loc", ()))
-    msg = first.get("msg", "invalid request")
-    content_type = request.headers.get("content-type", "")
-    if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type:
-        # curl -d sends a form's content type: FastAPI then does not parse the JSON at all
-        msg = f"Send the body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'})"
-    elif first.get("type") == "extra_forbidden":
-        msg = f"Unrecognized request argument supplied: {param}"
-    elif first.get("type") == "json_invalid":
-        msg = "Request body is not valid JSON"
-        param = None
-    elif param:
-        msg = f"{param}: {msg.removeprefix('Value error, ')}"
-    code = first.get("type") if first.get("type") in ("unsupported_parameter", "unsupported_value") else None
-    return _error_response(APIError(400, msg, param=param, code=code))
-
-
-@api.exception_handler(NoReplicaError)
-async def _no_replica(_: Request, err: NoReplicaError) -> JSONResponse:
-    return _error_response(APIError(503, f"no engine available: {err}; retry shortly", type="service_unavailable", code="no_replica"))
-
-
-@api.exception_handler(EngineError)
-@api.exception_handler(ChannelClosed)
-async def _engine_failed(_: Request, err: Exception) -> JSONResponse:
-    return _error_response(APIError(502, f"an engine failed and no replica could take the request over: {err}", type="server_error", code="engine_failed"))
-
-
-@api.exception_handler(RequestTimeout)
-async def _timeout_error(_: Request, err: RequestTimeout) -> JSONResponse:
-    return _error_response(APIError(504, f"request {err}", type="timeout_error", code="request_timeout"))
-
-
-@api.exception_handler(Exception)
-async def _unexpected_error(_: Request, err: Exception) -> JSONResponse:
-    logger.exception("unhandled error")
-    return _error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-    return _error_response(APIError(err.status_code, str(err.detail), type=kind))
-
-
-T = TypeVar("T")
-
-
-def _sse(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
-
-
-async def _all(coros: list[Awaitable[T]]) -> list[T]:
-    """Every result in order; the first failure cancels the others and is raised as itself."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """(index, item) from every stream as each item comes; the first failure stops the others
-    and is raised as itself."""
-    if len(streams) == 1:  # the common case, without a task per item
-        async with aclosing(streams[0]) as stream:
-            async for item in stream:
-                yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, None, exc))
-            return
-        await queue.put((index, None, _DONE))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item, end = await queue.get()
-            if end is _DONE:
-                running -= 1
-            elif end is not None:
-                raise end
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-_DONE = object()
-
-
-async def _prompt_only(outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
-    """An echoed prompt that is not continued (max_tokens 0): the prompt's log probabilities
-    and a `length` finish, without the engines' one token."""
-    async with aclosing(outputs) as stream:
-        async for out in stream:
-            if out.prompt_logprobs is not None:
-                yield Output("", 0, prompt_logprobs=out.prompt_logprobs)
-    yield Output("", 0, finish_reason="length")
-
-
-class ApiKeys:
-    """Bearer keys from the config plus PDD_API_KEYS (comma-separated); none: open."""
-
-    def __init__(self, configured: list[str]):
-        env = [k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(",") if k.strip()]
-        self.keys = frozenset(configured) | frozenset(env)
-
-    def check(self, request: Request) -> str:
-        """The caller's key ("" when auth is off); raises 401 otherwise."""
-        if not self.keys:
-            return ""
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if key.strip() not in self.keys:
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
-        return key.strip()
-
-
-class Admission:
-    """Bounds on requests in flight: per key and in total (429 beyond)."""
-
-    def __init__(self, per_key: int, total: int):
-        self.per_key = per_key
-        self.total = total
-        self._by_key: Counter[str] = Counter()
-        self._total = 0
-
-    def enter(self, key: str, count: int = 1) -> None:
-        """`count` places for `key`, all or none (429)."""
-        if self._total + count > self.total:
-            raise APIError(429, "Server is at capacity; retry later", type="rate_limit_error", code="server_busy")
-        if self._by_key[key] + count > self.per_key:
-            raise APIError(429, "Too many concurrent requests for this API key", type="rate_limit_error", code="rate_limit_exceeded")
-        self._by_key[key] += count
-        self._total += count
-
-    def leave(self, key: str, count: int = 1) -> None:
-        self._by_key[key] -= count
-        if self._by_key[key] <= 0:
-            del self._by_key[key]
-        self._total -= count
-
-    @property
-    def in_flight(self) -> int:
-        return self._total
-
-    def seats(self, key: str, count: int) -> Seats:
-        """`count` places for one request's choices, all or none (429)."""
-        self.enter(key, count)
-        return Seats(self, key, count)
-
-
-class Seats:
-    """One request's places in Admission, given back once whichever path ends it first:
-    the stream's end, or the response ending without ever starting the stream."""
-
-    def __init__(self, admission: Admission, key: str, count: int):
-        self._admission, self._key, self._count = admission, key, count
-
-    def release(self) -> None:
-        if self._count:
-            self._admission.leave(self._key, self._count)
-            self._count = 0
-
-
-class _SeatedStream(StreamingResponse):
-    """A stream that gives its request's seats back however it ends: Starlette may be
-    cancelled (client gone) before it first iterates the body, whose `finally` then never runs."""
-
-    def __init__(self, content, seats: Seats, **kwargs):
-        super().__init__(content, **kwargs)
-        self._seats = seats
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._seats.release()
+install_error_handlers(api)
 
 
 @serve.deployment(name="Conductor", max_ongoing_requests=1024)
@@ -487,9 +245,9 @@ class ConductorIngress:
         if body.stream:
             want_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(body, request_id, gens, echoes, seats, render, want_usage, want_ids)
-            return _SeatedStream(stream, seats, media_type="text/event-stream", headers={"x-request-id": request_id})
+            return SeatedStream(stream, seats, media_type="text/event-stream", headers={"x-request-id": request_id})
         try:
-            choices = await _all([self._whole(gen, echo) for gen, echo in zip(gens, echoes)])
+            choices = await all_of([self._whole(gen, echo) for gen, echo in zip(gens, echoes)])
         finally:
             seats.release()
         usage = self._usage(body, gens, sum(tokens for _, tokens in choices))
@@ -497,7 +255,7 @@ class ConductorIngress:
 
     def _outputs(self, gen: GenerationRequest, echo: Echo | None) -> AsyncIterator[Output]:
         outputs = self.conductor.generate(gen)
-        return outputs if echo is None or echo.generates else _prompt_only(outputs)
+        return outputs if echo is None or echo.generates else prompt_only(outputs)
 
     async def _whole(self, gen: GenerationRequest, echo: Echo | None) -> tuple[Choice, int]:
         """One choice's answer and its completion tokens."""
@@ -532,23 +290,23 @@ class ConductorIngress:
             for index in range(len(gens)):
                 opening = render.opening(index)
                 if opening is not None:
-                    yield _sse(opening)
-            async with aclosing(_merged([self._outputs(gen, echo) for gen, echo in zip(gens, echoes)])) as outputs:
+                    yield sse(opening)
+            async with aclosing(merge_streams([self._outputs(gen, echo) for gen, echo in zip(gens, echoes)])) as outputs:
                 async for index, out in outputs:
                     if index in echoing:  # the prompt before the choice's first text
                         echoing.discard(index)
-                        yield _sse(render.echo(index, echoes[index], out.prompt_logprobs))
+                        yield sse(render.echo(index, echoes[index], out.prompt_logprobs))
                     if out.text or out.finish_reason or (out.token_ids and (want_ids or out.logprobs)):
-                        yield _sse(render.delta(index, out.text, out.finish_reason, out.token_ids, out.logprobs, want_ids))
+                        yield sse(render.delta(index, out.text, out.finish_reason, out.token_ids, out.logprobs, want_ids))
                     if out.finish_reason:
                         completion_tokens += out.completion_tokens
             if want_usage:
-                yield _sse(render.usage(self._usage(body, gens, completion_tokens)))
+                yield sse(render.usage(self._usage(body, gens, completion_tokens)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             logger.exception("request %s failed mid-stream", request_id)
-            yield _sse(json.dumps(APIError(500, f"generation failed: {exc}", type="server_error").body()))
+            yield sse(json.dumps(APIError(500, f"generation failed: {exc}", type="server_error").body()))
         finally:
             seats.release()
         yield b"data: [DONE]\n\n"

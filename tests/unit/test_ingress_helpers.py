@@ -4,7 +4,9 @@ import pytest
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from app.ingress import Admission, ApiKeys, _all, _merged, _most_telling, _param_path, _SeatedStream
+from app.api.admission import Admission, ApiKeys, SeatedStream
+from app.api.errors import most_telling, param_path
+from app.api.streams import all_of, merge_streams
 from app.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 
 
@@ -63,14 +65,14 @@ def test_admission_bounds_per_key_and_total():
     ],
 )
 def test_param_path_drops_union_tags(loc, param):
-    assert _param_path(loc) == param
+    assert param_path(loc) == param
 
 
 def _reported(schema: type, body: dict) -> tuple[str | None, str]:
     with pytest.raises(ValidationError) as info:
         schema(model="m", **body)
-    first = _most_telling([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
-    return _param_path(first["loc"]), first["msg"]
+    first = most_telling([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+    return param_path(first["loc"]), first["msg"]
 
 
 @pytest.mark.parametrize(
@@ -123,7 +125,7 @@ async def test_a_stream_whose_client_left_before_it_started_gives_its_seats_back
         raise OSError("connection reset")  # the client left before the response started
 
     with pytest.raises(ClientDisconnect):
-        await _SeatedStream(body(), adm.seats("a", 2))({"type": "http", "asgi": {"spec_version": "2.4"}}, None, gone)
+        await SeatedStream(body(), adm.seats("a", 2))({"type": "http", "asgi": {"spec_version": "2.4"}}, None, gone)
     assert not started and adm.in_flight == 0
 
 
@@ -140,13 +142,13 @@ async def _items(name: str, delays: list[float], fail_at: int | None = None, end
 
 
 async def test_merged_streams_interleave_by_arrival_and_keep_their_index():
-    got = [x async for x in _merged([_items("a", [0.0, 0.2]), _items("b", [0.02, 0.0, 0.0])])]
+    got = [x async for x in merge_streams([_items("a", [0.0, 0.2]), _items("b", [0.02, 0.0, 0.0])])]
     assert got == [(0, "a0"), (1, "b0"), (1, "b1"), (1, "b2"), (0, "a1")]
 
 
 async def test_a_failing_stream_fails_the_merge_and_closes_the_others():
     ended: list[str] = []
-    merged = _merged([_items("a", [0.0, 10.0], ended=ended), _items("b", [0.01], fail_at=0, ended=ended)])
+    merged = merge_streams([_items("a", [0.0, 10.0], ended=ended), _items("b", [0.01], fail_at=0, ended=ended)])
     with pytest.raises(ValueError, match="b broke"):
         async for _ in merged:
             pass
@@ -156,7 +158,7 @@ async def test_a_failing_stream_fails_the_merge_and_closes_the_others():
 
 async def test_leaving_a_merge_early_closes_every_stream():
     ended: list[str] = []
-    merged = _merged([_items("a", [0.0, 10.0], ended=ended), _items("b", [0.0, 10.0], ended=ended)])
+    merged = merge_streams([_items("a", [0.0, 10.0], ended=ended), _items("b", [0.0, 10.0], ended=ended)])
     assert (await anext(merged))[1] in ("a0", "b0")
     await merged.aclose()
     await asyncio.sleep(0)
@@ -170,9 +172,9 @@ async def test_all_keeps_order_and_a_failure_cancels_the_rest():
             raise value
         return value
 
-    assert await _all([after(0.02, 1), after(0.0, 2)]) == [1, 2]
+    assert await all_of([after(0.02, 1), after(0.0, 2)]) == [1, 2]
     slow = asyncio.ensure_future(after(10.0, 3))
     with pytest.raises(KeyError):
-        await _all([slow, after(0.0, KeyError("x"))])
+        await all_of([slow, after(0.0, KeyError("x"))])
     await asyncio.sleep(0)
     assert slow.cancelled()

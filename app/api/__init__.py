@@ -1,0 +1,1 @@
+"""Beside the HTTP routes (app/ingress.py): errors in OpenAI's shape, stream helpers, keys and admission."""
