@@ -63,7 +63,7 @@ class Journey:
     """role -> that engine replica's time from handing the request to vLLM to its
     first token (EngineDelta.engine_ttft_ms). Of `ttft_ms`, what the engines on
     the first token's way did not spend is the serving stack's
-    (app/sim/calibrate.py `serving_overhead_ms`)."""
+    (app/sim/fitting.py `serving_overhead_ms`)."""
     engine_core_ttft_ms: dict[str, float] = field(default_factory=dict)
     """role -> of that engine's `engine_ttft_ms`, the part inside vLLM's engine
     core (queue and steps; EngineDelta.engine_core_ttft_ms), where vLLM timed it."""

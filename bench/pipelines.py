@@ -21,7 +21,7 @@ bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
 twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
 request's serving overhead: its TTFT at the conductor less the engine
-replicas' own (app/sim/calibrate.py `serving_overhead_ms`), and the requests
+replicas' own (app/sim/fitting.py `serving_overhead_ms`), and the requests
 in flight when it arrived, as the overhead grows with them; each decoder
 replica's own time on its request (`decoder_request_overheads`); and each KV
 pull inside a datacenter, less its link's own time (`kv_pulls`: the
@@ -59,7 +59,8 @@ from app import progress
 from app.config import PDDConfig
 from app.config_file import parse_config
 from app.faults import Faults
-from app.sim.calibrate import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads, take_app_steps
+from app.sim.calibrate import take_app_steps
+from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
@@ -83,7 +84,7 @@ def steps_path(mode: str, run: str = "calibration") -> Path:
 def write_steps(path: Path, journeys: list[dict], config: PDDConfig) -> None:
     """The steps the app's engines timed since the last take, by role, the
     serving overhead of each of `journeys` that has one, with the requests in
-    flight when it arrived (app/sim/calibrate.py `serving_overheads`), the
+    flight when it arrived (app/sim/fitting.py `serving_overheads`), the
     decoder replicas' own time on their requests (`decoder_request_overheads`)
     and their KV pulls inside a datacenter (`kv_pulls`)."""
     steps = take_app_steps("pipelines")

@@ -70,18 +70,9 @@ from rich.table import Table
 
 from app.config import Mode, RoleName
 from app.config_file import parse_config
-from app.sim.calibrate import (
-    OverheadSample,
-    PullSample,
-    RoleFit,
-    calibrate,
-    fit_to_app_steps,
-    with_decoder_overhead,
-    with_kv_pull,
-    with_model_spec,
-    with_serving_overhead,
-)
+from app.sim.calibrate import calibrate, with_model_spec
 from app.sim.cluster import derive, entry_role
+from app.sim.fitting import OverheadSample, PullSample, RoleFit, fit_to_app_steps, with_decoder_overhead, with_kv_pull, with_serving_overhead
 from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_samples
 from app.sim.run import simulate
 from app.sim.workload import read_trace

@@ -31,7 +31,7 @@ class EngineConfig(StrictModel):
     (app/carried_sampling.py) hooks V1's runner; each engine checks the runner it got."""
     record_steps: bool = False
     """Time each engine step and keep its shape (app/kv/steps.py), to fit the twin's
-    step model to steps taken while the app serves (app/sim/calibrate.py)."""
+    step model to steps taken while the app serves (app/sim/fitting.py)."""
     extra: dict[str, Any] = {}
     """Any other `vllm.AsyncEngineArgs` field, passed through as is."""
 

@@ -19,7 +19,7 @@ all wait for remote KV schedules empty steps: no step is timed across those.
 
 Each step also keeps when it started (`start_s`, `time.monotonic`: on Linux
 CLOCK_MONOTONIC, one clock for every process of a host), so the steps of
-engines sharing a host can be laid side by side (app/sim/calibrate.py
+engines sharing a host can be laid side by side (app/sim/fitting.py
 `fit_to_app_steps`).
 """
 

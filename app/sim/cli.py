@@ -237,16 +237,9 @@ def calibrate(
 
     Alone: measure prefill, prefill after a cached prefix, and decode. With --from-app: fit that model per role to the steps the app's engines timed while serving (and how busy engines on one host slow each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost.
     """
-    from app.sim.calibrate import (
-        app_journeys,
-        decoder_request_overheads,
-        kv_pulls,
-        serving_overheads,
-        with_decoder_overhead,
-        with_kv_pull,
-        with_serving_overhead,
-    )
+    from app.sim.calibrate import app_journeys
     from app.sim.calibrate import calibrate as fit
+    from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull, with_serving_overhead
     from app.sim.perf import load_perf, roles_to_json, save_samples
 
     try:
@@ -315,7 +308,8 @@ def calibrate(
 def _fit_from_app(base: FittedPerf, app_name: str, address: str | None):
     """`base` fitted per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
     from app.cluster import connected
-    from app.sim.calibrate import fit_to_app_steps, take_app_steps
+    from app.sim.calibrate import take_app_steps
+    from app.sim.fitting import fit_to_app_steps
 
     with connected(address):
         steps = take_app_steps(app_name, clear=False)

@@ -3,7 +3,7 @@
 Perf model per role: a fitted model when one is given (for every role, or by
 role name, or by node-group name, in that order), else the roofline from the
 role's node group's `spec` and `model.spec`. Models by role come from steps
-timed in the serving app (app/sim/calibrate.py `fit_to_app_steps`): engines
+timed in the serving app (app/sim/fitting.py `fit_to_app_steps`): engines
 sharing a host slow each other down. When any model has a `neighbor_slowdown`
 (it was fitted on such a host), every replica is placed on one `Host`, as the
 CPU dev cluster places them. KV capacity per replica: with a

@@ -21,7 +21,7 @@ exceeds memory, so a huge request delays others instead of wedging the replica.
 CPU sharing: replicas on one `Host` (engines of a CPU dev cluster, all on one
 machine) slow each other down. A step runs `1 + neighbor_slowdown * k` times
 as long as its model gives, k the host's other busy replicas (`neighbor_slowdown`:
-the replica's fitted model, app/sim/calibrate.py `fit_to_app_steps`). When k
+the replica's fitted model, app/sim/fitting.py `fit_to_app_steps`). When k
 changes, a step in flight finishes its remaining share at the new rate, and a
 decode epoch ends at its next step boundary and is planned again.
 """

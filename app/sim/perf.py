@@ -123,26 +123,26 @@ class FittedPerf:
     token spent outside the engines' queues and steps (the conductor, Serve's
     routing, the token channel, the replica's own input and output
     processing), measured in the serving app's journeys
-    (app/sim/calibrate.py `serving_overhead_ms`), with no other request in
+    (app/sim/fitting.py `serving_overhead_ms`), with no other request in
     flight. The twin delays each request by it once. Not a step cost: `scaled`
     keeps it."""
     serving_overhead_ms_per_in_flight: Annotated[float, Field(ge=0)] = 0.0
     """Added to `serving_overhead_ms` for each other request in flight when a
     request arrives: the conductor and the replicas stream those requests'
-    tokens on the same CPUs (app/sim/calibrate.py `fit_serving_overhead`).
+    tokens on the same CPUs (app/sim/fitting.py `fit_serving_overhead`).
     `scaled` keeps it."""
     decoder_request_overhead_ms: Annotated[float, Field(ge=0)] = 0.0
     """Of each request a decoder gets after the first token came from P (a
     relay's or main decoder's continuation, MD's warm-up and extend steps),
     the time the decoder's replica spends on it outside vLLM's engine core,
-    its own input and output processing (app/sim/calibrate.py
+    its own input and output processing (app/sim/fitting.py
     `decoder_request_overheads`); the serving overhead counts that only for
     the engines the first token waits for. The twin delays each such request
     by it. `scaled` keeps it."""
     kv_pull_ms: Annotated[float, Field(ge=0)] = 0.0
     """Each KV pull's time beyond what its link gives it (RTT, jitter, bandwidth
     shared among pulls): the KV connector's own work at both ends, measured in
-    the serving app's journeys on links inside a datacenter (app/sim/calibrate.py
+    the serving app's journeys on links inside a datacenter (app/sim/fitting.py
     `fit_kv_pulls`). Several ms on vLLM-CPU's TCP transport. The twin adds it to
     every pull. `scaled` keeps it."""
     kv_pull_ms_per_mb: Annotated[float, Field(ge=0)] = 0.0
@@ -153,7 +153,7 @@ class FittedPerf:
     """On a host whose engines share the CPU (the CPU dev cluster): each other
     engine busy while a step runs makes the step this fraction longer (the rest
     of the model is the engine with no busy neighbor). Fitted from the serving
-    app's timed steps (app/sim/calibrate.py `fit_to_app_steps`); 0 for an engine
+    app's timed steps (app/sim/fitting.py `fit_to_app_steps`); 0 for an engine
     with its own accelerator. The twin puts every replica on one host when a
     model has it (app/sim/cluster.py). `scaled` keeps it."""
 

@@ -19,7 +19,8 @@ import pytest
 from app.config import RoleName
 from app.faults import Faults
 from app.roles import DEPLOYMENT_NAMES
-from app.sim.calibrate import serving_overhead_ms, take_app_steps
+from app.sim.calibrate import take_app_steps
+from app.sim.fitting import serving_overhead_ms
 from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app

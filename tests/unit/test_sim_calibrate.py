@@ -18,23 +18,20 @@ from app.config import Mode, RoleName
 from app.config_file import load_config
 from app.devmodel import ensure_devmodel
 from app.journal import JOURNAL_CAPACITY
-from app.sim.calibrate import (
+from app.sim.calibrate import _Prompts, app_journeys, model_spec_from_folder, with_model_spec
+from app.sim.fitting import (
     OverheadSample,
     PullSample,
-    _Prompts,
-    app_journeys,
     busy_neighbors,
     decoder_request_overheads,
     fit_kv_pulls,
     fit_serving_overhead,
     fit_to_app_steps,
     kv_pulls,
-    model_spec_from_folder,
     serving_overhead_ms,
     serving_overheads,
     with_decoder_overhead,
     with_kv_pull,
-    with_model_spec,
     with_serving_overhead,
 )
 from app.sim.perf import FittedPerf, StepSample
