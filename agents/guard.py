@@ -35,9 +35,15 @@ from pydantic import ValidationError
 
 from agents.controllers import fleet_cost
 from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_notice, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
-from agents.memory import Growth, Memory, growth_key
+from agents.memory import Block, Growth, Memory, growth_key
 from agents.proposal import Decision, Proposal
 from app.config import AgentsConfig, LiveKnobs, PDDConfig
+
+#: A rolled-back move stays blocked for this many cooldowns, doubled for each rollback of
+#: the same move in a row (up to MAX_BLOCK_DOUBLINGS times): otherwise a move that keeps
+#: failing, such as shedding a replica the load still needs, returns every few minutes.
+BLOCK_COOLDOWNS = 3
+MAX_BLOCK_DOUBLINGS = 4
 
 EASED = 0.1
 """A situation's figure fell by this share: the replica added for it helped."""
@@ -199,3 +205,12 @@ def guard(
             d = _within_budget(d, config, agents, fleet)
         decisions.append(d)
     return _one_situation(_together(decisions))
+
+
+def block_rolled_back(memory: Memory, change: Change, now: float, cooldown_s: float) -> None:
+    """After `change` was applied to roll a move back, block that move again for a while. Mutates `memory`."""
+    way = direction(change.reverse())
+    last = memory.blocked.get(change.target)
+    strikes = last.strikes + 1 if last is not None and last.direction == way else 1
+    span = BLOCK_COOLDOWNS * cooldown_s * 2 ** min(strikes - 1, MAX_BLOCK_DOUBLINGS)
+    memory.blocked[change.target] = Block(until=now + span, direction=way, strikes=strikes)

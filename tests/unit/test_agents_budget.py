@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from agents.controllers import fleet_cost
 from agents.diagnose import Evidence
-from agents.graph import BLOCK_COOLDOWNS
-from agents.guard import guard
+from agents.guard import BLOCK_COOLDOWNS, guard
 from agents.knobs import Change
 from agents.memory import Block, Memory
 from agents.proposal import Proposal
