@@ -92,6 +92,7 @@ async def metric_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
     """Each asked-for figure, by series, worst first; the SLO target where there is one."""
     formats = _formats(config)
     lines = []
+    where = f" for {q.scope.describe()}" if q.scope.describe() else ""
     for key in q.metrics:
         for name in METRICS[key].templates:
             label, write = formats[name]
@@ -101,7 +102,6 @@ async def metric_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
                 continue
             series = sorted((s for s in data["series"] if q.scope.keeps(s["labels"])), key=lambda s: -(s["value"] or 0))
             shown = [f"{_series_name(s['labels'])} {write(s['value']) if s['value'] is not None else 'no data'}" for s in series]
-            where = f" for {q.scope.describe()}" if q.scope.describe() else ""
             line = f"- {label} ({name}){where}: " + (", ".join(shown) if shown else f"no data in the last {config.slo.window_s:g} s")
             target = getattr(config.slo, TARGETS[name]) if name in TARGETS else None
             if target and series:
@@ -135,8 +135,9 @@ def knob_drift(state: dict[str, Any], config: PDDConfig) -> list[str]:
     """Live knobs that differ from the config file's (the agents or an operator moved them)."""
     live = LiveKnobs.model_validate(state.get("knobs") or {})
     drift = []
+    configured_knobs = config.live_knobs()
     for path in knob_paths():
-        now, configured = get_knob(live, path), get_knob(config.live_knobs(), path)
+        now, configured = get_knob(live, path), get_knob(configured_knobs, path)
         if now != configured:
             drift.append(f"{path} {fmt(now)} (config {fmt(configured)})")
     return drift
@@ -274,9 +275,10 @@ async def knob_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
     state = await r.read("cluster_state")
     live = LiveKnobs.model_validate(state.get("knobs") or {}) if not isinstance(state, Failed) else None
     lines = []
+    configured = config.live_knobs()
     for path in q.knobs or tuple(knob_paths()):
         now = fmt(get_knob(live, path)) if live else f"unknown ({state})"
-        line = f"- {path}: live {now}, config {fmt(get_knob(config.live_knobs(), path))}."
+        line = f"- {path}: live {now}, config {fmt(get_knob(configured, path))}."
         if q.knobs:
             line += f" {knob_doc(path)}"
             bounds = config.agents.bounds.get(path)
