@@ -158,18 +158,28 @@ class EngineClient:
                 yield delta
 
     async def reset_prefix_caches(self, timeout_s: float = RESET_TIMEOUT_S) -> None:
-        """Empty every replica's prefix cache (benchmarks comparing modes on equal terms).
+        """Empty every live replica's prefix cache (benchmarks comparing modes on equal terms).
 
-        vLLM refuses while any block is in use (a request running, a lease not yet
-        pulled); each replica is asked again until it empties, or TimeoutError names
-        those that never did: a silent refusal left warm caches behind."""
-        pending = [(handle, info.replica_id) for role, handle in self._handles.items() for info in await self.replicas(role)]
+        Every replica Serve routes to, described or not and suspect or not: a fresh
+        conductor has described only the replica that answered its first look, and a
+        cache left warm would serve the next prompt. vLLM refuses while any block is in
+        use (a request running, a lease not yet pulled); a replica is asked again until it
+        empties, or TimeoutError names those that never did."""
         deadline = time.monotonic() + timeout_s
+        emptied: set[str] = set()
         while True:
-            done = await asyncio.gather(*(handle.reset_prefix_cache.remote(target_replica=replica) for handle, replica in pending))
-            pending = [call for call, ok in zip(pending, done) if not ok]
-            if not pending:
+            pending = [(self._handles[role], rid) for role in self._handles for rid in await self._live_ids(role) if rid not in emptied]
+            done = await asyncio.gather(*(handle.reset_prefix_cache.remote(target_replica=rid) for handle, rid in pending), return_exceptions=True)
+            emptied.update(rid for (_, rid), ok in zip(pending, done) if ok is True)
+            left = sorted(rid for _, rid in pending if rid not in emptied)
+            if not left:
                 return
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"prefix caches of replicas {sorted(r for _, r in pending)} still had blocks in use after {timeout_s:.0f} s")
+                raise TimeoutError(f"prefix caches of replicas {left} still had blocks in use after {timeout_s:.0f} s")
             await asyncio.sleep(RESET_RETRY_S)
+
+    async def _live_ids(self, role: RoleName) -> frozenset[str]:
+        """Every replica id Serve routes to for a role (the described ones until its router published a set)."""
+        described = await self.replicas(role)  # builds the role's router on first use
+        live = live_replicas(DEPLOYMENT_NAMES[role])
+        return live if live is not None else frozenset(info.replica_id for info in described)

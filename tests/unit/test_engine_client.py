@@ -174,3 +174,13 @@ def test_a_cache_that_never_empties_is_an_error_naming_the_replica(router_state,
     router_state[MAIN] = frozenset({"md-1", "md-2"})
     with pytest.raises(TimeoutError, match=r"\['md-2'\] still had blocks in use"):
         asyncio.run(EngineClient({RoleName.main_decode: handle}).reset_prefix_caches(timeout_s=0.1))
+
+
+def test_a_fresh_conductor_empties_the_caches_of_replicas_it_has_not_described_yet(router_state, monkeypatch):
+    """A fresh conductor's first look describes one replica; the reset still reaches every one
+    Serve routes to (a cache left warm would serve the next prompt from its prefix)."""
+    handle = _Handle(alive=["md-1"])  # md-2 is live but does not describe itself (yet)
+    handle.reset_prefix_cache = _Reset({})
+    router_state[MAIN] = frozenset({"md-1", "md-2"})
+    asyncio.run(EngineClient({RoleName.main_decode: handle}).reset_prefix_caches())
+    assert sorted(handle.reset_prefix_cache.calls) == ["md-1", "md-2"]
