@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)-
 CONFIG ?= serve_configs/local.yaml
 # What app/native.py compiles (a superset: any edit here rebuilds, ~30 s)
 NATIVE := app/_native/manifest.json
-NATIVE_SOURCES := app/native.py app/policy.py app/prefix_index.py $(wildcard app/sim/*.py app/sim/*.pxd)
+NATIVE_SOURCES := app/native.py app/policy.py app/conductor/prefix_index.py $(wildcard app/sim/*.py app/sim/*.pxd)
 
 .PHONY: run test test-unit lint bench install cluster-up cluster-down prometheus clean
 

@@ -29,7 +29,7 @@ import httpx
 from agents.figures import deployment
 from app.config import LiveKnobs, RoleName
 
-#: The ingress deployment's name (app/ingress.py, `@serve.deployment(name="Conductor")`).
+#: The ingress deployment's name (app/api/ingress.py, `@serve.deployment(name="Conductor")`).
 CONDUCTOR = "Conductor"
 APPLICATIONS = "/api/serve/applications/"
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from app.config import AgentMode
-from app.config_file import ConfigError
+from app.config.file import ConfigError
 
 console = Console()
 agents_cli = typer.Typer(help="The agent swarm that keeps PDD tuned (observe, advise or act).", no_args_is_help=True)

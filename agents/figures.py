@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 
 from app.config import LinkConfig, PDDConfig, RoleName, SLOConfig
+from app.engine.deployments import DEPLOYMENT_NAMES
 from app.policy import Pipeline
-from app.roles import DEPLOYMENT_NAMES
 from app.telemetry.snapshot import Snapshot
 
 #: The middle of the hit-rate range where PDD's benefit dips (the bathtub's

@@ -28,7 +28,7 @@ from agents.memory import StoreBackend, read_history, read_runs, record_run
 from agents.router import Router, make_router
 from agents.whatif import WhatIf, load_what_if
 from app.config import AgentMode, AgentsConfig, PDDConfig
-from app.config_file import load_config
+from app.config.file import load_config
 from app.telemetry.queries import QuerySet
 from app.telemetry.snapshot import PromSource, Source
 

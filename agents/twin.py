@@ -29,7 +29,7 @@ from agents.router import Router, RuleRouter
 from agents.verify import Verdict
 from agents.whatif import WhatIf
 from app.config import MODE_ROLES, AgentMode, LiveKnobs, Mode, PDDConfig, RoleName
-from app.kv.link import direction_name
+from app.engine.kv.link import direction_name
 from app.policy import Pipeline
 from app.sim import Request, SimRun, simulate
 from app.telemetry.metrics import RATIO_BUCKETS

@@ -13,11 +13,11 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.api.ingress import ConductorIngress
 from app.config import NodeGroup, PDDConfig
-from app.config_file import ConfigError, parse_config
-from app.ingress import ConductorIngress
-from app.links import LinkEmulators, deployment_name
-from app.roles import ROLE_DEPLOYMENTS
+from app.config.file import ConfigError, parse_config
+from app.engine.deployments import ROLE_DEPLOYMENTS
+from app.engine.link_emulators import LinkEmulators, deployment_name
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def light_options(config: PDDConfig, group_name: str) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> serve.Application:
     config = parse_config(args)
     config_dict = config.model_dump(mode="json")
-    router = RequestRouterConfig(request_router_class="app.replica_router:AffinityRequestRouter")
+    router = RequestRouterConfig(request_router_class="app.conductor.replica_router:AffinityRequestRouter")
     engines = {}
     for role, rc in config.roles.present().items():
         if rc.replicas < 1:

@@ -41,7 +41,7 @@ ENV_SWITCH = "PDD_NATIVE"
 
 MODULES = (
     "app.policy",
-    "app.prefix_index",
+    "app.conductor.prefix_index",
     "app.sim.cache",
     "app.sim.cluster",
     "app.sim.engine",

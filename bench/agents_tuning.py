@@ -78,9 +78,9 @@ from agents.controllers import fleet_cost
 from agents.figures import slo_figures, slo_score
 from agents.knobs import with_knobs
 from agents.twin import TwinAgent, TwinWhatIf, fleet_config, snapshot_from_run
-from app import progress
 from app.config import LiveKnobs, PDDConfig, RoleName
-from app.config_file import load_config
+from app.config.file import load_config
+from app.ops import progress
 from app.sim import SimRun, Summary
 from app.sim.parallel import check_jobs, run_all
 from app.sim.run import TimedTraffic

@@ -175,7 +175,7 @@ class LocalApp:
         from ray import serve
 
         from app.builder import build_app
-        from app.cluster import serve_env
+        from app.ops.cluster import serve_env
 
         os.environ.update({k: v for k, v in serve_env().items() if k != "RAY_AUTH_MODE"})
         os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
@@ -193,7 +193,7 @@ class LocalApp:
         import ray
         from ray import serve
 
-        from app.cluster import kill_orphans
+        from app.ops.cluster import kill_orphans
 
         serve.shutdown()
         ray.shutdown()

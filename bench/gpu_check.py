@@ -138,7 +138,7 @@ def _check_configs(python: Path) -> list[str]:
         return []
     probe = (
         "from bench.pipelines import bench_args; from bench.serve_overhead import colocated_args; "
-        "from app.config_file import parse_config; from tests.conftest import local_args, on_one_gpu; "
+        "from app.config.file import parse_config; from tests.conftest import local_args, on_one_gpu; "
         "configs = {'identity': on_one_gpu(local_args(), model='devmodel', memory_fraction=0.2), "
         "'pipelines': bench_args(gpu=True), 'serve_overhead': colocated_args(4096, gpu=True)}; "
         "[parse_config(args) for args in configs.values()]; "
@@ -189,7 +189,7 @@ def _run_step(s: Step, log, python: Path) -> int | str:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         if python.exists():  # engines Ray left behind, reparented to init
-            subprocess.run([str(python), "-c", "from app.cluster import kill_orphans; kill_orphans()"], cwd=ROOT)
+            subprocess.run([str(python), "-c", "from app.ops.cluster import kill_orphans; kill_orphans()"], cwd=ROOT)
         return "timeout"
 
 

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app.kv.params import LEASE, PRODUCE, PULL
-from app.links import deployment_name
-from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
+from app.engine.kv.params import LEASE, PRODUCE, PULL
+from app.engine.link_emulators import deployment_name
+from app.engine.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
 from bench.common import LocalApp, wait_http, write_outputs
 from tests.conftest import local_args
 

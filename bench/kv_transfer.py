@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import LinkConfig
-from app.faults import Faults
-from app.kv.link import LinkModel
+from app.engine.kv.link import LinkModel
+from app.ops.faults import Faults
 from bench.common import LocalApp, completion_journey, median, wait_http, write_outputs
 from tests.conftest import local_args, set_wan
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rich.table import Table
 
-from app import progress
+from app.ops import progress
 from app.sim.cluster import cost_per_hour
 from app.sim.run import TimedTraffic
 from app.sim.workload import AgenticWorkload

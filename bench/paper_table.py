@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from app import progress
 from app.config import MODE_ROLES, Mode, PDDConfig, RoleName, Roles, link_key
-from app.config_file import load_config
+from app.config.file import load_config
+from app.ops import progress
 from app.sim.cluster import cost_per_hour, derive
 from app.sim.parallel import check_jobs
 from app.sim.run import TimedTraffic

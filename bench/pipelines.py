@@ -16,7 +16,7 @@ requests unless `--calibration-requests` says otherwise: with 40, the engines
 stepped faster than in the 120-request run, whose WAN backlog and link
 emulation grow over time; its arrivals scaled to the run's rate of requests,
 so it offers the same load: `calibration_trace`) serves that mode while every engine times its steps
-(`engine.record_steps`, app/kv/steps.py); they go to
+(`engine.record_steps`, app/engine/kv/steps.py); they go to
 bench/out/pipelines_steps_MODE.json, to which bench/sim_vs_real.py scales the
 twin's step model: steps of the loaded app, taken minutes before the run it is
 checked against, none of them from that run. With them goes each calibration
@@ -55,10 +55,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from app import progress
 from app.config import PDDConfig
-from app.config_file import parse_config
-from app.faults import Faults
+from app.config.file import parse_config
+from app.ops import progress
+from app.ops.faults import Faults
 from app.sim.calibrate import take_app_steps
 from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads
 from app.sim.run import scaled

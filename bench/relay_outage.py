@@ -30,7 +30,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from app.faults import Faults
+from app.ops.faults import Faults
 from bench.common import LocalApp, median, percentile, wait_http, write_outputs
 from tests.conftest import local_args
 

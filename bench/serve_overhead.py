@@ -3,7 +3,7 @@
 Both servers stay up and the rounds alternate (ours, vLLM, ours, vLLM, ...) so
 machine noise hits both alike; the table shows medians over rounds. vLLM's
 server gets our main decoder's engine arguments and engine environment
-(app/engine_env.py `engine_env`: the model runner, and on CPU the threads, binding
+(app/engine/env.py `engine_env`: the model runner, and on CPU the threads, binding
 and single-process settings); the bench prints what each side was given.
 
     python bench/serve_overhead.py [--rounds 3] [--logprobs N] [--json out.json] [--gpu]
@@ -56,8 +56,8 @@ def colocated_args(max_model_len: int, gpu: bool = False) -> dict:
 def vllm_server(args: dict, port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's own OpenAI server: its command line with the engine arguments our main_decode
     role uses, and the variables of our engine environment it starts with."""
-    from app.engine import engine_args
-    from app.engine_env import engine_env
+    from app.engine.env import engine_env
+    from app.engine.replica import engine_args
 
     config = PDDConfig.model_validate(args)
     e = engine_args(config, RoleName.main_decode)

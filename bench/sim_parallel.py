@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode
-from app.config_file import load_config
+from app.config.file import load_config
 from app.sim.cli import HIT_GRID
 from app.sim.cluster import derive
 from app.sim.parallel import check_jobs

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from app import native
 from app.config import Mode
-from app.config_file import load_config
+from app.config.file import load_config
 from app.sim import AgenticWorkload, simulate
 from app.sim.cluster import derive
 from bench.common import ROOT, median, write_outputs
@@ -70,7 +70,7 @@ def python_baseline(requests: int, rps: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         code = (
-            "import json; from bench.sim_speed import CONFIG, timed_run; from app.config_file import load_config; "
+            "import json; from bench.sim_speed import CONFIG, timed_run; from app.config.file import load_config; "
             f"r = timed_run(load_config(CONFIG), {requests}, {rps}, 0, 'PDD, plain Python baseline'); "
             f"open({str(out)!r}, 'w').write(json.dumps(r))"
         )

@@ -69,7 +69,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Mode, RoleName
-from app.config_file import parse_config
+from app.config.file import parse_config
 from app.sim.calibrate import calibrate, with_model_spec
 from app.sim.cluster import derive, entry_role
 from app.sim.fitting import OverheadSample, PullSample, RoleFit, fit_to_app_steps, with_decoder_overhead, with_kv_pull, with_serving_overhead

@@ -38,7 +38,7 @@ def on_one_gpu(args: dict[str, Any], model: str = "llama8b", memory_fraction: fl
     sizes, for benchmarks), or `devmodel`, the float32 dev model (token identity between
     pipelines needs its wide logit gaps: a bfloat16 model's near-ties flip with batch shape)."""
     if model == "llama8b":
-        from app.devmodel import ensure_llama8b_shape
+        from app.engine.devmodel import ensure_llama8b_shape
 
         args["model"].update(source=str(ensure_llama8b_shape()), load_format="dummy", dtype="bfloat16", block_size=16, max_model_len=16384)
     elif model != "devmodel":

@@ -20,8 +20,8 @@ from agents.chatops.questions import METRICS, Question
 from agents.chatops.sources import SourceError
 from agents.chatops.tools import Toolbox, ToolFailed
 from agents.knobs import CHOICE_KNOBS, fmt, get_knob
+from app.conductor.readiness import describe, readiness
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
-from app.readiness import describe, readiness
 
 #: Minutes "what changed" looks back when the question gives no span.
 DEFAULT_MINUTES = 60.0

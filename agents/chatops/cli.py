@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from agents.chatops.evidence import Figure
-from app.config_file import ConfigError
+from app.config.file import ConfigError
 
 console = Console()
 DEFAULT_CONFIG = Path("serve_configs/local.yaml")

@@ -1,7 +1,7 @@
 """POST /pdd/chat on the ingress: one chat agent per ingress replica.
 
-The ingress route (app/ingress.py) checks the API key and hands over here,
-through the `pdd_serve.chat_ops` entry point (app/extensions.py). The agent
+The ingress route (app/api/ingress.py) checks the API key and hands over here,
+through the `pdd_serve.chat_ops` entry point (app/api/extensions.py). The agent
 reads state and journeys from the replica's own conductor (InProcessSource), is
 built on the first chat request, and keeps its conversation checkpointer open
 for the replica's life. Thread ids are scoped to the caller's API key, so one
@@ -21,9 +21,9 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from app.api.extensions import ChatOpsRequest
+from app.api.openai_api import APIError
 from app.config import PDDConfig
-from app.extensions import ChatOpsRequest
-from app.openai_api import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class ChatEndpoint:
-    """app.extensions.ChatOps for one ingress replica; the `pdd_serve.chat_ops` entry point builds it."""
+    """app.api.extensions.ChatOps for one ingress replica; the `pdd_serve.chat_ops` entry point builds it."""
 
     def __init__(self, config: PDDConfig, conductor: Any, app_name: str):
         self.config = config

@@ -11,10 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.engine_client import NoReplicaError
-from app.generation import EngineError, RequestTimeout
-from app.openai_api import APIError, ErrorResponse
-from app.token_channel import ChannelClosed
+from app.api.openai_api import APIError, ErrorResponse
+from app.conductor.engine_client import NoReplicaError
+from app.conductor.generation import EngineError, RequestTimeout
+from app.engine.token_channel import ChannelClosed
 
 logger = logging.getLogger(__name__)
 

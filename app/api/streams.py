@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
-from app.generation import Output
+from app.conductor.generation import Output
 
 T = TypeVar("T")
 

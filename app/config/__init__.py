@@ -7,7 +7,7 @@ a restart.
 
 Every model forbids unknown fields, so a typo fails at load with the field's
 path in the message (`roles.prefill.replcas: Extra inputs are not permitted`);
-app/config_file.py reads a file into these models. Each field is documented
+app/config/file.py reads a file into these models. Each field is documented
 where it is declared, and that text is its description (base.py).
 """
 

@@ -28,9 +28,9 @@ class EngineConfig(StrictModel):
     """vLLM's model runner, set through VLLM_USE_V2_MODEL_RUNNER before the engine starts
     (whatever the environment says). `auto` is vLLM's own choice: V2 wherever Triton
     runs, i.e. on every CUDA machine. Only `v1` is accepted while carried sampling
-    (app/carried_sampling.py) hooks V1's runner; each engine checks the runner it got."""
+    (app/engine/carried_sampling.py) hooks V1's runner; each engine checks the runner it got."""
     record_steps: bool = False
-    """Time each engine step and keep its shape (app/kv/steps.py), to fit the twin's
+    """Time each engine step and keep its shape (app/engine/kv/steps.py), to fit the twin's
     step model to steps taken while the app serves (app/sim/fitting.py)."""
     extra: dict[str, Any] = {}
     """Any other `vllm.AsyncEngineArgs` field, passed through as is."""
@@ -41,7 +41,7 @@ class EngineConfig(StrictModel):
         if v != "v1":
             raise ValueError(
                 f"'{v}' is not supported yet: seeded sampling and presence/frequency penalties that carry "
-                "across engines (app/carried_sampling.py) hook vLLM's V1 model runner, and under V2 a request "
+                "across engines (app/engine/carried_sampling.py) hook vLLM's V1 model runner, and under V2 a request "
                 "moved between engines (handoff, relay, failover) would sample other tokens than one engine does; use 'v1'"
             )
         return v

@@ -2,7 +2,7 @@
 
 Machines without an accelerator spec (the CPU dev cluster) have no roofline;
 `measure` runs one real engine of the config (the role's engine arguments,
-app/engine.py) in this process and `calibrate` fits `FittedPerf`
+app/engine/replica.py) in this process and `calibrate` fits `FittedPerf`
 (app/sim/perf.py) to its steps:
 
 - prefill steps: one fresh prompt of N tokens with `max_tokens=1`, N up to the
@@ -79,7 +79,7 @@ def with_model_spec(config: PDDConfig) -> PDDConfig:
     """`config` with `model.spec` filled from the model folder when it has none."""
     if config.model.spec is not None:
         return config
-    from app.devmodel import resolve_model_source
+    from app.engine.devmodel import resolve_model_source
 
     spec = model_spec_from_folder(resolve_model_source(config.model.source), config.model.dtype)
     return config.model_copy(update={"model": config.model.model_copy(update={"spec": spec})})
@@ -126,8 +126,8 @@ async def measure(
     adds time to a run, and one slow run would otherwise pull the fit."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from app.engine import engine_args
-    from app.engine_env import set_engine_env
+    from app.engine.env import set_engine_env
+    from app.engine.replica import engine_args
 
     progress("starting the engine")
     set_engine_env(config, role)
@@ -195,8 +195,8 @@ def take_app_steps(app_name: str, clear: bool = True) -> dict[RoleName, list[Ste
     leaves them for the next take. Call from a Ray driver attached to the app's cluster."""
     from ray import serve
 
-    from app.faults import Faults
-    from app.roles import DEPLOYMENT_NAMES
+    from app.engine.deployments import DEPLOYMENT_NAMES
+    from app.ops.faults import Faults
 
     faults = Faults(app_name)
     steps: dict[RoleName, list[StepSample]] = {}
@@ -216,8 +216,8 @@ def app_journeys(url: str) -> list[dict]:
     ConnectionError naming the address when they cannot be read."""
     import httpx
 
-    from app.journal import JOURNAL_CAPACITY
-    from app.status import api_headers
+    from app.conductor.journal import JOURNAL_CAPACITY
+    from app.ops.status import api_headers
 
     try:
         resp = httpx.get(f"{url}/pdd/requests", params={"limit": JOURNAL_CAPACITY}, timeout=30, headers=api_headers())

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from app.config import Mode, PDDConfig, RoleName
-from app.config_file import ConfigError, format_validation_error, load_config
+from app.config.file import ConfigError, format_validation_error, load_config
 from app.sim.calibrate import with_model_spec
 from app.sim.cluster import SimConfigError, derive, entry_role
 from app.sim.parallel import Report, check_jobs, run_all
@@ -288,7 +288,7 @@ def calibrate(
             samples = [s for samples_of in samples.values() for s in samples_of]
         else:
             out = out or Path("bench/out/fitted_perf.json")
-            from app.progress import steps
+            from app.ops.progress import steps
             from app.sim.calibrate import DECODE_SHAPES, PREFILL_TOKENS, PREFIX_SHAPES
 
             with steps(console, "calibrating", 1 + len(PREFILL_TOKENS) + len(PREFIX_SHAPES) + len(DECODE_SHAPES)) as step:
@@ -307,7 +307,7 @@ def calibrate(
 
 def _fit_from_app(base: FittedPerf, app_name: str, address: str | None):
     """`base` fitted per role to the steps the app's engines timed (left with them: a later call sees these and more)."""
-    from app.cluster import connected
+    from app.ops.cluster import connected
     from app.sim.calibrate import take_app_steps
     from app.sim.fitting import fit_to_app_steps
 

@@ -194,7 +194,7 @@ def kv_pulls(journeys: Sequence[Mapping], config: PDDConfig) -> list[PullSample]
     bandwidth: `LinkModel.transfer_seconds`). Pulls across datacenters are left
     out: they wait for each other on the WAN's shared bandwidth, which the twin
     models itself. Raises KeyError for a link the config does not have."""
-    from app.kv.link import LinkModel
+    from app.engine.kv.link import LinkModel
 
     links: dict[str, LinkModel] = {}
     samples = []

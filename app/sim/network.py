@@ -2,7 +2,7 @@
 and each decoding engine's pull threads, which bound how many of its pulls move at once.
 
 Each transfer (one KV pull) first waits the link's RTT plus a jitter draw and
-possibly a stall (drawn by app.kv.link.LinkModel, the same draws the real
+possibly a stall (drawn by app.engine.kv.link.LinkModel, the same draws the real
 link emulation makes), then its bytes flow. Concurrent flows share the
 bandwidth equally (processor sharing), as the real relay interleaves chunks of
 concurrent pulls. Where the KV transport's own cost was measured
@@ -27,7 +27,7 @@ from itertools import count
 from typing import Any
 
 from app.config import LinkConfig, PullOrder
-from app.kv.link import LinkModel
+from app.engine.kv.link import LinkModel
 from app.sim.events import Loop
 
 

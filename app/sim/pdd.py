@@ -1,4 +1,4 @@
-"""The twin's PDD pipelines (app/relay.py): a part of `Twin` (app/sim/twin.py),
+"""The twin's PDD pipelines (app/conductor/relay.py): a part of `Twin` (app/sim/twin.py),
 which holds the state and the steps every mode shares.
 
 MD is routed first, then the pipeline chosen, then P routed.

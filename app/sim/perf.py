@@ -50,7 +50,7 @@ from typing import Annotated, Protocol
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from app.config import AcceleratorSpec, ModelSpec, RoleName
-from app.config_file import validation_problems
+from app.config.file import validation_problems
 
 
 class PerfModel(Protocol):
@@ -221,7 +221,7 @@ class StepSample:
     step_ms: float
     attention_pairs: float = 0.0
     start_s: float | None = None
-    """When the step started, on its host's monotonic clock (app/kv/steps.py);
+    """When the step started, on its host's monotonic clock (app/engine/kv/steps.py);
     None where unknown (a step timed alone, an older file)."""
     engine: str = ""
     """The engine replica that took the step, where steps of several engines are mixed."""

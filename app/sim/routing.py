@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
-from app.prefix_index import PrefixIndex
+from app.conductor.prefix_index import PrefixIndex
 
 STRIDE = 1 << 24
 """Keys per line: blocks of one run of content (16M blocks, beyond any context)."""

@@ -8,7 +8,7 @@ synthesised per conversation by app/sim/routing.py), the pipeline by
 `policy.choose_pipeline`, what crosses a link by `policy.blocks_missing`, the
 relay's cap by `policy.relay_cap` and the handoff by
 `policy.resolve_handoff_mode` / `policy.next_handoff_step`. The calls come in
-the conductor's order (app/conductor.py, app/relay.py), and the load routing
+the conductor's order (app/conductor/conductor.py, app/conductor/relay.py), and the load routing
 compares is the conductor's: requests it has in flight on each replica
 (`Instance.streams`). What is not a decision is physics: engines
 (app/sim/engine.py) and links (app/sim/network.py).

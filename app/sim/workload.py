@@ -42,7 +42,7 @@ from typing import Annotated, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from app.config_file import validation_problems
+from app.config.file import validation_problems
 
 
 class Request(NamedTuple):

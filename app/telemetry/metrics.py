@@ -74,7 +74,7 @@ KV_FAILURES = _spec(
     ("link", "reason"),
 )
 KV_LEASE_GONE = "LeaseGone"
-"""KV_FAILURES' reason for app.kv.transport.LeaseGone."""
+"""KV_FAILURES' reason for app.engine.kv.transport.LeaseGone."""
 PREFIX_HIT = _spec("pdd_prefix_hit_ratio", "histogram", "Per-request prompt share found in the engine's own prefix cache, by role.", ("role",), RATIO_BUCKETS)
 PROMPT_TOKENS = _spec("pdd_prompt_tokens", "counter", "Prompt tokens sent to each role.", ("role",))
 CACHED_TOKENS = _spec("pdd_cached_prompt_tokens", "counter", "Prompt tokens each role found in its own prefix cache.", ("role",))

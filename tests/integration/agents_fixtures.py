@@ -334,7 +334,7 @@ def build_standin(args: dict[str, Any]):
     from ray import serve
 
     from app.config import LiveKnobs, RoleName
-    from app.roles import DEPLOYMENT_NAMES
+    from app.engine.deployments import DEPLOYMENT_NAMES
 
     @serve.deployment(name=DEPLOYMENT_NAMES[RoleName.main_decode], ray_actor_options={"num_cpus": 0.01})
     class StandInEngine:

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.cluster import kill_orphans, serve_env
+from app.ops.cluster import kill_orphans, serve_env
 from app.telemetry.prometheus import PrometheusServer, ray_service_discovery_file
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from pprint import pformat
 
 import openai
 
-from app.faults import Faults
+from app.ops.faults import Faults
 
 WAN = "dc-a->dc-b"
 

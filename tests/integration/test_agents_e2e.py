@@ -26,7 +26,7 @@ from agents.entries import read_entry
 from agents.router import RuleRouter
 from agents.runner import Swarm
 from app.config import AgentMode, PDDConfig
-from app.faults import Faults
+from app.ops.faults import Faults
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import deploy_app, ray_prometheus
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from app.devmodel import ensure_devmodel
+from app.engine.devmodel import ensure_devmodel
 from tests.conftest import local_args
 from tests.integration.conftest import deploy_app
 
@@ -147,7 +147,7 @@ ABANDONED_MAX_TOKENS = 500  # no other test asks for this many: it marks the aba
 
 def test_a_client_that_leaves_stops_its_request(app, client):
     """Through Serve's HAProxy, as users reach it. With kernel splicing on, about a third of
-    abandoned short non-streamed requests decoded to their end for nobody (app/haproxy.py)."""
+    abandoned short non-streamed requests decoded to their end for nobody (app/ops/haproxy.py)."""
     body = {"model": MODEL, "prompt": "Count the sheep.", "max_tokens": ABANDONED_MAX_TOKENS, "ignore_eos": True, "temperature": 0}
     for _ in range(8):
         with pytest.raises(httpx.TimeoutException):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.config import RoleName
-from app.config_file import load_config
+from app.config.file import load_config
 from app.sim.calibrate import calibrate
 
 pytestmark = pytest.mark.integration

@@ -25,8 +25,8 @@ import yaml
 from typer.testing import CliRunner
 
 from agents.chatops.evidence import number
-from app.cli import main
 from app.config import PDDConfig
+from app.ops.cli import main
 from app.telemetry.prometheus import PrometheusServer
 from tests.conftest import local_args
 from tests.integration.agents_fixtures import HEALTHY, Levels, ScriptedExporter, pending

@@ -15,10 +15,10 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import main as pdd
+from app.conductor.link_directory import LinkDirectory
 from app.config import PDDConfig
-from app.faults import Faults
-from app.link_directory import LinkDirectory
+from app.ops.cli import main as pdd
+from app.ops.faults import Faults
 from app.telemetry import metrics
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app, ray_prometheus

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from app.cluster import orphans
-from app.faults import Faults
-from app.kv.params import PRODUCE
-from app.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
+from app.engine.kv.params import PRODUCE
+from app.engine.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
+from app.ops.cluster import orphans
+from app.ops.faults import Faults
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
 

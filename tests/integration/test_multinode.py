@@ -20,8 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from app import cluster as local_cluster
-from app.config_file import load_config
+from app.config.file import load_config
+from app.ops import cluster as local_cluster
 from tests.conftest import LOCAL_CONFIG, set_wan
 from tests.integration.conftest import free_port
 

@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from agents.chatops.rules import CAPABILITIES, NO_LLM_LINE
-from app.cli import main as pdd
+from app.conductor.readiness import describe
 from app.config import PDDConfig
-from app.readiness import describe
+from app.ops.cli import main as pdd
 from app.telemetry import metrics
 from app.telemetry.observability import dashboard_queries, rules, write_rules
 from tests.conftest import local_args, set_wan

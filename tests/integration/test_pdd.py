@@ -17,8 +17,8 @@ from collections import Counter
 import pytest
 
 from app.config import RoleName
-from app.faults import Faults
-from app.roles import DEPLOYMENT_NAMES
+from app.engine.deployments import DEPLOYMENT_NAMES
+from app.ops.faults import Faults
 from app.sim.calibrate import take_app_steps
 from app.sim.fitting import serving_overhead_ms
 from app.sim.perf import chunk_attention_pairs

@@ -180,7 +180,7 @@ def test_every_query_fills_a_snapshot_field_and_names_come_from_prom_name():
 def test_conductor_name_matches_the_ingress_deployment():
     from agents.actuate import CONDUCTOR
 
-    tree = ast.parse((ROOT / "app" / "ingress.py").read_text())
+    tree = ast.parse((ROOT / "app" / "api" / "ingress.py").read_text())
     names = [
         kw.value.value
         for node in ast.walk(tree)

@@ -1,7 +1,7 @@
 import pytest
 
 from app.builder import engine_placement
-from app.config_file import ConfigError, load_config, parse_config
+from app.config.file import ConfigError, load_config, parse_config
 from tests.conftest import LOCAL_CONFIG, ROOT, local_args
 
 

@@ -1,12 +1,12 @@
 """What an engine request tells the worker about the output sampled before it, and the start check that
-the runner vLLM built runs it (app/carried_sampling.py)."""
+the runner vLLM built runs it (app/engine/carried_sampling.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from app.carried_sampling import SAMPLED_BEFORE, CarriedSamplingUnavailable, _adopt, check, extra_args, install, with_carried
-from app.token_channel import SamplingOptions
+from app.engine.carried_sampling import SAMPLED_BEFORE, CarriedSamplingUnavailable, _adopt, check, extra_args, install, with_carried
+from app.engine.token_channel import SamplingOptions
 
 
 def test_a_continuation_counts_every_engine_before_it():
@@ -60,7 +60,7 @@ def _draw(generator) -> int:
 def test_a_cpu_generator_takes_back_its_steps_draw_as_vllm_asks():
     import torch
 
-    from app.carried_sampling import RewindableGenerator
+    from app.engine.carried_sampling import RewindableGenerator
 
     plain = torch.Generator()
     plain.manual_seed(5)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from agents.chatops import agent as chat_agent
 from agents.chatops.endpoint import ChatOpsRequest
-from app.cli import main
+from app.ops.cli import main
 from tests.integration.agents_fixtures import pdd_args
 from tests.unit.test_chatops_agent import FakeToolCallingChatModel, call, scripted
 

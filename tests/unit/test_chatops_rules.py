@@ -17,7 +17,7 @@ from agents.chatops.answers import knob_paths
 from agents.chatops.endpoint import ChatEndpoint, ChatOpsRequest
 from agents.chatops.questions import change_args, read_question
 from agents.chatops.rules import CAPABILITIES, NO_LLM_LINE, RuleAgent
-from app.cli import main
+from app.ops.cli import main
 from tests.conftest import LOCAL_CONFIG
 from tests.integration.agents_fixtures import pdd_config, pending
 from tests.unit.test_chatops_agent import INJECTION, JOURNEY, StubSource, answer, converse

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from app.cli import failure_summary, stop_on_sigterm
+from app.ops.cli import failure_summary, stop_on_sigterm
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""app/cluster.py: what a new machine needs before the local cluster's first node starts;
-app/haproxy.py: the HAProxy it has Serve run."""
+"""app/ops/cluster.py: what a new machine needs before the local cluster's first node starts;
+app/ops/haproxy.py: the HAProxy it has Serve run."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app import cluster, haproxy
-from app.haproxy import BINARY_PATH_VAR
+from app.ops import cluster, haproxy
+from app.ops.haproxy import BINARY_PATH_VAR
 
 PDD_HAPROXY = Path(sys.executable).with_name("pdd-haproxy")
 
@@ -31,7 +31,7 @@ def test_a_new_machine_gets_a_ray_token_and_an_existing_one_is_kept(tmp_path, mo
 def test_prometheus_watches_the_service_discovery_of_the_cluster_up_started(tmp_path, monkeypatch):
     """`up` gives its cluster its own temp folder, where Ray lists the metrics endpoints;
     another cluster at the address (a user's `ray start`) keeps Ray's default folder."""
-    from app.config_file import load_config
+    from app.config.file import load_config
     from app.telemetry.prometheus import ray_service_discovery_file
     from tests.conftest import LOCAL_CONFIG
 

@@ -5,21 +5,21 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from app.conductor import Conductor
+from app.conductor.conductor import Conductor
+from app.conductor.generation import EngineError, GenerationRequest
+from app.conductor.journal import Journey
 from app.config import Mode, PDDConfig, RoleName
-from app.devmodel import ensure_devmodel
-from app.engine import ReplicaInfo
-from app.generation import EngineError, GenerationRequest
-from app.journal import Journey
-from app.kv.params import PULL
-from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
+from app.engine.devmodel import ensure_devmodel
+from app.engine.kv.params import PULL
+from app.engine.replica import ReplicaInfo
+from app.engine.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenLogprob
 from tests.conftest import local_args
 
 SENTENCE = "the cluster relays the first tokens then the main decoder takes over and the end is near and far away"
 
 
 class ScriptedEngines:
-    """Stands in for app.engine_client.EngineClient: one main decoder whose streams
+    """Stands in for app.conductor.engine_client.EngineClient: one main decoder whose streams
     emit SENTENCE's tokens, one per loop turn (the first with `transfer`, a pull's
     report, if set); it records which streams are open, and calls `on_open` as one opens.
     A request asking for prompt log probabilities gets them on its first delta, as vLLM

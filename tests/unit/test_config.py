@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from app.config import Mode, PDDConfig, RoleName
-from app.config_file import ConfigError, load_config, parse_config
+from app.config.file import ConfigError, load_config, parse_config
 from tests.conftest import LOCAL_CONFIG, ROOT
 
 

@@ -1,9 +1,9 @@
-"""app/engine.py's conversion of vLLM's per-position logprobs."""
+"""app/engine/replica.py's conversion of vLLM's per-position logprobs."""
 
 from vllm.logprobs import Logprob
 
-from app.engine import prompt_token_logprobs, token_logprobs
-from app.token_channel import TokenLogprob
+from app.engine.replica import prompt_token_logprobs, token_logprobs
+from app.engine.token_channel import TokenLogprob
 
 
 def test_each_token_gets_its_own_logprob_and_the_top_alternatives_best_first():

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-import app.engine_client
-from app import replica_router
+import app.conductor.engine_client
+from app.conductor import replica_router
+from app.conductor.engine_client import EngineClient
 from app.config import RoleName
-from app.engine import ReplicaInfo
-from app.engine_client import EngineClient
-from app.roles import DEPLOYMENT_NAMES
+from app.engine.deployments import DEPLOYMENT_NAMES
+from app.engine.replica import ReplicaInfo
 
 MAIN = DEPLOYMENT_NAMES[RoleName.main_decode]
 
@@ -49,7 +49,7 @@ class _Handle:
 @pytest.fixture
 def router_state(monkeypatch):
     monkeypatch.setattr(replica_router, "_live", {})
-    monkeypatch.setattr(app.engine_client, "DESCRIBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(app.conductor.engine_client, "DESCRIBE_TIMEOUT_S", 0.2)
     return replica_router._live
 
 
@@ -123,8 +123,8 @@ def test_a_role_the_request_can_do_without_does_not_wait_for_a_description(route
 
 @pytest.mark.parametrize("alive", [["md-1"], []])
 def test_a_fresh_conductor_looks_at_a_role_it_can_do_without_briefly(router_state, monkeypatch, alive):
-    monkeypatch.setattr(app.engine_client, "DESCRIBE_TIMEOUT_S", 5.0)
-    monkeypatch.setattr(app.engine_client, "FIRST_LOOK_WAIT_S", 0.1)
+    monkeypatch.setattr(app.conductor.engine_client, "DESCRIBE_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(app.conductor.engine_client, "FIRST_LOOK_WAIT_S", 0.1)
     handle = _Handle(alive=alive)  # the router is not built yet
     client = EngineClient({RoleName.main_decode: handle})
 
@@ -159,7 +159,7 @@ class _Reset:
 
 
 def test_a_replica_whose_blocks_are_in_use_is_asked_again_until_its_cache_empties(router_state, monkeypatch):
-    monkeypatch.setattr(app.engine_client, "RESET_RETRY_S", 0.01)
+    monkeypatch.setattr(app.conductor.engine_client, "RESET_RETRY_S", 0.01)
     handle = _Handle(alive=["md-1", "md-2"])
     handle.reset_prefix_cache = _Reset({"md-2": 3})
     router_state[MAIN] = frozenset({"md-1", "md-2"})
@@ -168,7 +168,7 @@ def test_a_replica_whose_blocks_are_in_use_is_asked_again_until_its_cache_emptie
 
 
 def test_a_cache_that_never_empties_is_an_error_naming_the_replica(router_state, monkeypatch):
-    monkeypatch.setattr(app.engine_client, "RESET_RETRY_S", 0.01)
+    monkeypatch.setattr(app.conductor.engine_client, "RESET_RETRY_S", 0.01)
     handle = _Handle(alive=["md-1", "md-2"])
     handle.reset_prefix_cache = _Reset({"md-2": 10**9})
     router_state[MAIN] = frozenset({"md-1", "md-2"})

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from app.config import PDDConfig, RoleName
-from app.engine_env import set_engine_env
+from app.engine.env import set_engine_env
 from tests.conftest import local_args
 
 ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import main
-from app.faults import Faults
+from app.ops.cli import main
+from app.ops.faults import Faults
 
 
 def invoke(*args: str):

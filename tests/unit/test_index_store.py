@@ -1,4 +1,4 @@
-"""app/index_store.py on a real (local) Ray cluster's GCS."""
+"""app/conductor/index_store.py on a real (local) Ray cluster's GCS."""
 
 import asyncio
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import ray
 
-from app.conductor import Conductor
-from app.index_store import IndexKeeper, IndexStore, ReplicaSnapshot
+from app.conductor.conductor import Conductor
+from app.conductor.index_store import IndexKeeper, IndexStore, ReplicaSnapshot
 from tests.unit.test_conductor import ScriptedEngines, conductor, tokenizer  # noqa: F401 - fixtures
 
 

@@ -6,8 +6,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from app.api.admission import Admission, ApiKeys, SeatedStream
 from app.api.errors import most_telling, param_path
+from app.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from app.api.streams import all_of, merge_streams
-from app.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 
 
 def _request(auth: str | None) -> Request:

@@ -9,11 +9,11 @@ import pytest
 from rich.console import Console
 from vllm.v1.metrics.stats import RequestStateStats
 
+from app.conductor.journal import Journey, slo_summary
 from app.config import LiveKnobs, SLOConfig
-from app.engine import _engine_core_times
-from app.journal import Journey, slo_summary
-from app.status import render
-from app.token_channel import EngineDelta
+from app.engine.replica import _engine_core_times
+from app.engine.token_channel import EngineDelta
+from app.ops.status import render
 
 
 def _first(engine: float, core: float | None = None, queued: float | None = None) -> EngineDelta:
@@ -69,7 +69,7 @@ def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_j
 
 
 def test_pdd_status_shows_the_conductors_figures_while_prometheus_has_no_rate_yet():
-    from app.status import figures_to_show
+    from app.ops.status import figures_to_show
     from app.telemetry.snapshot import Snapshot
 
     recent = {"window_s": 300, "by_pipeline": {"P-MD": {"requests": 3}}}

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from app.config_file import load_config
-from app.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render
+from app.config.file import load_config
+from app.ops.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render
 from tests.conftest import ROOT
 
 GPU_CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"

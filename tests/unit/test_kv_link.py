@@ -1,11 +1,11 @@
-"""app/kv/link.py's LinkShare: how long each pull needs on the configured link beside the others."""
+"""app/engine/kv/link.py's LinkShare: how long each pull needs on the configured link beside the others."""
 
 import random
 
 import pytest
 
 from app.config import PullOrder
-from app.kv.link import LinkShare
+from app.engine.kv.link import LinkShare
 
 BW = 1_000_000.0  # bytes/s
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from app.config import PullOrder
-from app.kv.pull_threads import PullThreads
+from app.engine.kv.pull_threads import PullThreads
 
 
 def held_then(order: PullOrder, pulls: list[tuple[int, object]]) -> list[object]:

@@ -1,11 +1,11 @@
-"""Engine steps timed inside the engine (app/kv/steps.py), on vLLM's own scheduler output types."""
+"""Engine steps timed inside the engine (app/engine/kv/steps.py), on vLLM's own scheduler output types."""
 
 from __future__ import annotations
 
 import pytest
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from app.kv.steps import StepClock, step_shape
+from app.engine.kv.steps import StepClock, step_shape
 from app.sim.perf import chunk_attention_pairs
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from app.config import LinkConfig, PullOrder
-from app.kv.link import LinkModel, LinkRelay
-from app.kv.pull_threads import PullThreads
-from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
+from app.engine.kv.link import LinkModel, LinkRelay
+from app.engine.kv.pull_threads import PullThreads
+from app.engine.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
 from app.telemetry import metrics
 
 NUM_BLOCKS = 16
@@ -225,7 +225,7 @@ def test_pulls_sharing_a_healthy_link_take_what_its_shared_model_says(source):
     link's time, and what LinkShare (the conductor's yardstick for the agents) says."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.kv.link import LinkShare
+    from app.engine.kv.link import LinkShare
 
     _, layout, leases, server = source
     config = LinkConfig(between=("a", "b"), bandwidth_mbps=40, rtt_ms=20)

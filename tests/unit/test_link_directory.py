@@ -9,7 +9,7 @@ import logging
 import pytest
 from ray.serve.exceptions import DeploymentUnavailableError
 
-from app.link_directory import LinkDirectory
+from app.conductor.link_directory import LinkDirectory
 
 
 class _Method:
@@ -49,11 +49,11 @@ def test_a_datacenter_is_cut_off_only_after_consecutive_misses(failure, caplog):
     b = _Emulator("dc-b")
     b.failure = failure
     links = _directory(b, ttl_s=3600)  # refreshes only where the test asks
-    caplog.set_level(logging.INFO, logger="app.link_directory")
+    caplog.set_level(logging.INFO, logger="app.conductor.link_directory")
 
     def warnings() -> list[str]:
         # asyncio may log here too (another test's task collected mid-run)
-        return [r.getMessage() for r in caplog.records if r.name == "app.link_directory"]
+        return [r.getMessage() for r in caplog.records if r.name == "app.conductor.link_directory"]
 
     async def scenario() -> None:
         assert await links.down_reason("dc-a", "dc-b") is None

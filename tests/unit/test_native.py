@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_ALL_MODES = """
 import dataclasses, json, sys
 from app.config import Mode
-from app.config_file import load_config
+from app.config.file import load_config
 from app.sim import AgenticWorkload, Outage, simulate
 from app.sim.cluster import derive
 from app import native
@@ -164,7 +164,7 @@ def test_each_pxd_declares_exactly_the_fields_its_classes_assign():
 def test_pdd_native_status_names_each_module_and_how_it_loads(monkeypatch):
     from typer.testing import CliRunner
 
-    from app.cli import main
+    from app.ops.cli import main
 
     builds = native.fresh_builds()
     out = CliRunner().invoke(main, ["native", "status"], terminal_width=200).output

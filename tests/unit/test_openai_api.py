@@ -1,11 +1,11 @@
-"""app/openai_api.py: how log probabilities are asked for and rendered (OpenAI's shapes)."""
+"""app/api/openai_api.py: how log probabilities are asked for and rendered (OpenAI's shapes)."""
 
 import json
 
 import pytest
 
-from app.openai_api import APIError, ChatCompletionRequest, ChatRenderer, Choice, CompletionRenderer, CompletionRequest, Echo, Usage
-from app.token_channel import TokenLogprob
+from app.api.openai_api import APIError, ChatCompletionRequest, ChatRenderer, Choice, CompletionRenderer, CompletionRequest, Echo, Usage
+from app.engine.token_channel import TokenLogprob
 
 TEXT = {7: "He", 8: "llo", 9: " wor", 10: "ld", 11: "é"}
 LOGPROBS = [TokenLogprob(-0.1, [(7, -0.1), (9, -2.5)]), TokenLogprob(-1.5, [(9, -0.7), (8, -1.5)])]

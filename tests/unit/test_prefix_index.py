@@ -1,4 +1,4 @@
-from app.prefix_index import PrefixIndex, block_keys
+from app.conductor.prefix_index import PrefixIndex, block_keys
 
 
 def test_keys_chain_so_a_block_depends_on_everything_before_it():

@@ -1,4 +1,4 @@
-"""The progress bar of long commands and benchmarks (app/progress.py)."""
+"""The progress bar of long commands and benchmarks (app/ops/progress.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from app.progress import steps
+from app.ops.progress import steps
 
 
 def test_each_step_prints_its_line_and_names_itself_beside_the_bar():

@@ -1,4 +1,4 @@
-"""GET /ready's states, and `pdd run`'s ready line (app/readiness.py), against a real HTTP server."""
+"""GET /ready's states, and `pdd run`'s ready line (app/conductor/readiness.py), against a real HTTP server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from app.conductor.readiness import await_ready, readiness
 from app.config import Mode, RoleName
-from app.readiness import await_ready, readiness
 
 P, RLD, MD = RoleName.prefill, RoleName.relay_decode, RoleName.main_decode
 ALL = {P: 1, RLD: 1, MD: 1}

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from app.replica_logging import log_to_stderr
+from app.telemetry.replica_logging import log_to_stderr
 
 
 @pytest.fixture
@@ -34,10 +34,10 @@ def test_warnings_and_tracebacks_reach_stderr_once(app_logger, capfd, monkeypatc
     try:
         raise ConnectionError("emulator gone")
     except ConnectionError:
-        logging.getLogger("app.conductor").exception("refreshing the link emulators' view failed")
-    logging.getLogger("app.relay").debug("not shown: below INFO")
+        logging.getLogger("app.conductor.conductor").exception("refreshing the link emulators' view failed")
+    logging.getLogger("app.conductor.relay").debug("not shown: below INFO")
     err = capfd.readouterr().err
-    assert err.count("ERROR app.conductor: refreshing the link emulators' view failed") == 1
+    assert err.count("ERROR app.conductor.conductor: refreshing the link emulators' view failed") == 1
     assert "Traceback (most recent call last):\n" in err and "ConnectionError: emulator gone" in err
     assert "('" not in err, "a traceback line written as a tuple"
     assert "not shown" not in err

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from app.cli import main as pdd
+from app.conductor.journal import JOURNAL_CAPACITY
 from app.config import Mode, RoleName
-from app.config_file import load_config
-from app.devmodel import ensure_devmodel
-from app.journal import JOURNAL_CAPACITY
+from app.config.file import load_config
+from app.engine.devmodel import ensure_devmodel
+from app.ops.cli import main as pdd
 from app.sim.calibrate import _Prompts, app_journeys, model_spec_from_folder, with_model_spec
 from app.sim.fitting import (
     OverheadSample,

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import app.sim.twin
+from app.conductor.prefix_index import _LRU, PrefixIndex, ReplicaCache
 from app.config import RoleName
 from app.policy import Pipeline
-from app.prefix_index import _LRU, PrefixIndex, ReplicaCache
 from app.sim import Outage, simulate
 from app.sim.routing import STRIDE, Conversation, KeyChain, KeyMaker, RunLRU, RunReplicaCache
 from app.sim.workload import AgenticWorkload, Request

@@ -377,7 +377,7 @@ def test_cli_names_bad_options_and_workloads(tmp_path, args, named):
 
 
 def test_pdd_command_has_sim():
-    from app.cli import main
+    from app.ops.cli import main
 
     result = CliRunner().invoke(main, ["sim", "--help"])
     assert result.exit_code == 0 and "--workload" in result.output

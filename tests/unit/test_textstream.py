@@ -1,8 +1,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from app.devmodel import ensure_devmodel
-from app.textstream import TextAssembler
+from app.conductor.textstream import TextAssembler
+from app.engine.devmodel import ensure_devmodel
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from app.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenStreamClient, TokenStreamServer
+from app.engine.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenStreamClient, TokenStreamServer
 
 
 class ScriptedEngine:

@@ -4,7 +4,7 @@ checks, fault injection, operations)."""
 
 from __future__ import annotations
 
-from app import carried_sampling
+from app.engine import carried_sampling
 
 # vLLM imports this module in the worker process before the worker's first step.
 carried_sampling.install()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.config import PDDConfig, RoleName
-from app.haproxy import BINARY_PATH_VAR
+from app.ops.haproxy import BINARY_PATH_VAR
 
 #: Ray label carrying a node's datacenter (node groups may select on it).
 DATACENTER_LABEL = "pdd.io/datacenter"
@@ -53,7 +53,7 @@ def ray_bin() -> str:
 
 
 def serve_env() -> dict[str, str]:
-    """CLUSTER_ENV, and Ray's HAProxy run through `pdd-haproxy` (app/haproxy.py: a client
+    """CLUSTER_ENV, and Ray's HAProxy run through `pdd-haproxy` (app/ops/haproxy.py: a client
     that leaves stops its request) unless RAY_SERVE_HAPROXY_BINARY_PATH already names one."""
     wrapper = Path(sys.executable).with_name("pdd-haproxy")
     if BINARY_PATH_VAR in os.environ or not wrapper.exists():
@@ -297,7 +297,7 @@ def orphans() -> list[int]:
 
 def state_dir() -> Path:
     """Where `pdd run` keeps Prometheus data, rules and the agents' log."""
-    from app.devmodel import default_cache_dir
+    from app.engine.devmodel import default_cache_dir
 
     path = default_cache_dir() / "run"
     path.mkdir(parents=True, exist_ok=True)

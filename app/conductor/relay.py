@@ -28,13 +28,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
+from app.conductor.engine_client import NoReplicaError
+from app.conductor.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
+from app.conductor.journal import Journey
 from app.config import HandoffMode, RoleName
-from app.engine import ReplicaInfo
-from app.engine_client import NoReplicaError
-from app.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
-from app.journal import Journey
-from app.kv.link import direction_name
-from app.kv.params import LEASE
+from app.engine.kv.link import direction_name
+from app.engine.kv.params import LEASE
+from app.engine.replica import ReplicaInfo
+from app.engine.token_channel import EngineDelta, EngineRequest
 from app.policy import (
     ClusterFacts,
     HandoffStep,
@@ -47,10 +48,9 @@ from app.policy import (
     resolve_handoff_mode,
 )
 from app.telemetry import metrics
-from app.token_channel import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
-    from app.conductor import Conductor
+    from app.conductor.conductor import Conductor
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`pdd fault ...`: inject app/faults.py's faults into a running app from the shell,
+"""`pdd fault ...`: inject app/ops/faults.py's faults into a running app from the shell,
 for drills: kill a role's replica, restart the conductor, cut, stall or slow a link,
 expire prefill's KV leases. Each says what it did; `pdd status` shows the effect."""
 
@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 console = Console()
-fault_cli = typer.Typer(help="Inject faults into a running app (drills; app/faults.py).", no_args_is_help=True)
+fault_cli = typer.Typer(help="Inject faults into a running app (drills; app/ops/faults.py).", no_args_is_help=True)
 
 AppOption = typer.Option("pdd", "--app-name", help="Serve application name")
 AddressOption = typer.Option(None, "--address", help="Ray cluster address (default: the one `pdd run` started here)")
@@ -29,13 +29,13 @@ class Target(str, Enum):
 
 def _inject(app_name: str, address: str | None, fault: Callable[[Any], str]) -> None:
     """Connect, run `fault` on a Faults of the app, print what it says; a failure is one red line."""
-    from app.cluster import connected
+    from app.ops.cluster import connected
 
     serve_logger = logging.getLogger("ray.serve")
     was_disabled, serve_logger.disabled = serve_logger.disabled, True  # its handles' chatter, not ours (Serve resets its level)
     try:
         with connected(address):
-            from app.faults import Faults  # imports Ray: only once connected() has set its auth mode
+            from app.ops.faults import Faults  # imports Ray: only once connected() has set its auth mode
 
             said = fault(Faults(app_name))
     except Exception as exc:  # noqa: BLE001 - Ray wraps the cause (a replica's ValueError) in its own type

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from app.token_channel import EngineDelta
+    from app.engine.token_channel import EngineDelta
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Transfer:
     """How long the pull waited for one of the decoder's pull threads before it started."""
     model_seconds: float | None = None
     """What the configured link needs for this pull: its mean latency, and its expected bytes
-    sharing the bandwidth with the pulls routed beside it (app.kv.link.LinkShare). None: not
+    sharing the bandwidth with the pulls routed beside it (app.engine.kv.link.LinkShare). None: not
     a pull routing sized (only WAN pulls are)."""
     ok: bool = True
     error: str | None = None

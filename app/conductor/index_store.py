@@ -7,7 +7,7 @@ it had to cross the WAN: P-RLD-MD, for every live conversation at once, loading
 the relay and queueing transfers that never happen. So the conductor saves each
 replica's confirmed blocks every SAVE_INTERVAL_S when they changed, and restores
 them as it starts. What a replica evicted in between is corrected by the
-engines' own hit reports, as always (app/prefix_index.py).
+engines' own hit reports, as always (app/conductor/prefix_index.py).
 
 The GCS's key-value store (where Serve keeps its own checkpoints) lives as long
 as the Ray cluster, and with GCS fault tolerance (KubeRay's Redis) across a head
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from app.prefix_index import PrefixIndex
+from app.conductor.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class ReplicaSnapshot(msgspec.Struct, array_like=True):
     block_size: int
     capacity_blocks: int
     held: list[int]
-    """Block keys (app.prefix_index.block_keys), least recently used first."""
+    """Block keys (app.conductor.prefix_index.block_keys), least recently used first."""
 
 
 _encoder = msgspec.msgpack.Encoder()

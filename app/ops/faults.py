@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 from app.config import RoleName
-from app.links import deployment_name
-from app.roles import DEPLOYMENT_NAMES
+from app.engine.deployments import DEPLOYMENT_NAMES
+from app.engine.link_emulators import deployment_name
 
 
 class Faults:

@@ -1,6 +1,6 @@
 """Our modules' log lines, visible from inside Serve replicas.
 
-Serve's throughput mode (app/cluster.py) sends a replica's stderr into Serve's
+Serve's throughput mode (app/ops/cluster.py) sends a replica's stderr into Serve's
 own logger, which buffers 1,000 records and writes them early only for an
 error. A warning such as "dc-b cut off" then reaches no
 file and no console while it matters, and is lost if the replica dies. The

@@ -1,6 +1,6 @@
 """A request as pipelines run it, what they yield, and how they fail.
 
-Shared by the conductor (app/conductor.py), the PDD relay (app/relay.py) and
+Shared by the conductor (app/conductor/conductor.py), the PDD relay (app/conductor/relay.py) and
 the ingress, which is why it is not in any of them.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.conductor.journal import Journey
 from app.config import Mode, RoleName
-from app.engine import ReplicaInfo
-from app.journal import Journey
+from app.engine.replica import ReplicaInfo
+from app.engine.token_channel import ChannelClosed, EngineDelta, SamplingOptions, TokenLogprob
 from app.telemetry import metrics
-from app.token_channel import ChannelClosed, EngineDelta, SamplingOptions, TokenLogprob
 
 
 def note_failover(journey: Journey, failed: tuple[RoleName, ReplicaInfo], target: tuple[RoleName, ReplicaInfo], at_token: int, error: Exception) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from app.cluster import CLUSTER_ENV, DATACENTER_LABEL
-from app.config_file import load_config
+from app.config.file import load_config
+from app.ops.cluster import CLUSTER_ENV, DATACENTER_LABEL
 
 RAY_VERSION = "2.60.0"
 METRICS_PORT = 8080

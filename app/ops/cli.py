@@ -14,10 +14,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from app import cluster, extensions, native
-from app.config_file import ConfigError, load_config
-from app.fault_cli import fault_cli
-from app.readiness import await_ready
+from app import native
+from app.api import extensions
+from app.conductor.readiness import await_ready
+from app.config.file import ConfigError, load_config
+from app.ops import cluster
+from app.ops.fault_cli import fault_cli
 from app.sim.cli import calibrate as calibrate_command
 from app.sim.cli import sim as sim_command
 
@@ -51,7 +53,7 @@ def _load(config_path: Path):
 @main.command()
 def devmodel() -> None:
     """Build the tiny local dev model when missing and print its folder."""
-    from app.devmodel import ensure_devmodel
+    from app.engine.devmodel import ensure_devmodel
 
     console.print(str(ensure_devmodel()))
 
@@ -73,7 +75,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="One JSON object (state, Prometheus' figures, note) for scripts"),
 ) -> None:
     """The cluster at a glance: roles, links, knobs, SLO figures."""
-    from app.status import show
+    from app.ops.status import show
 
     config = _load(config_path)
     try:
@@ -108,7 +110,7 @@ def kuberay(
     output: Path = typer.Option(Path("serve_configs/kuberay/pdd-rayservice.yaml"), "-o", help="Where to write"),
 ) -> None:
     """Write a KubeRay RayService (+ agents Deployment) for a serve config."""
-    from app.kuberay import render
+    from app.ops.kuberay import render
 
     _load(config_path)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +192,7 @@ def run(
     config = _load(config_path)
     os.environ.update(cluster.serve_env())
     if config.model.source == "devmodel":
-        from app.devmodel import ensure_devmodel
+        from app.engine.devmodel import ensure_devmodel
 
         console.print(f"dev model: {ensure_devmodel()}")
     started = None
@@ -243,7 +245,7 @@ def _api_headers(config) -> dict[str, str]:
     """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY (`pdd status`'s), else one the app serves with."""
     import os
 
-    from app.status import api_headers
+    from app.ops.status import api_headers
 
     served = [*config.server.api_keys, *(k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(","))]
     key = next((k for k in served if k), None)
@@ -266,7 +268,7 @@ def failure_summary(message: str) -> str:
 def _deploy_failed(state: str, message: str) -> NoReturn:
     console.print(f"[red]deploy failed ({state}):[/red] {escape(failure_summary(message))}")
     if message:
-        from app.devmodel import default_cache_dir
+        from app.engine.devmodel import default_cache_dir
 
         full = default_cache_dir() / "last-deploy-error.txt"
         full.parent.mkdir(parents=True, exist_ok=True)
@@ -311,7 +313,7 @@ def _start_agents(config_path: Path, config):
 
     log = cluster.state_dir() / "agents.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "agents", "run", "--config", str(config_path), "--new-cluster"], stdout=log.open("a"), stderr=subprocess.STDOUT
+        [sys.executable, "-m", "app.ops.cli", "agents", "run", "--config", str(config_path), "--new-cluster"], stdout=log.open("a"), stderr=subprocess.STDOUT
     )
     console.print(f"  agents: {config.agents.mode.value} mode, every {config.agents.tick_s:g} s (log: {log}; `pdd agents history`)")
     return proc

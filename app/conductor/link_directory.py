@@ -6,8 +6,8 @@ import asyncio
 import logging
 from typing import Any
 
-from app.generation import EngineError
-from app.kv.link import direction_name
+from app.conductor.generation import EngineError
+from app.engine.kv.link import direction_name
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Control calls (describe, reset_prefix_cache) name a replica with a
 `target_replica` keyword; this router honours it when that replica is alive
 and falls back to power-of-two-choices otherwise. Token streams do not pass
-through Serve handles (app/token_channel.py explains why).
+through Serve handles (app/engine/token_channel.py explains why).
 
 The router runs inside the caller's process (the conductor), so it also
 publishes each deployment's live replica set for the conductor to read.
@@ -51,6 +51,6 @@ class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         super().update_replicas(replicas)
         # Serve may ship this class by value (cloudpickle), giving it a private copy
         # of this module's globals; import the real module to publish where readers look.
-        from app import replica_router
+        from app.conductor import replica_router
 
         replica_router._live[self._deployment_id.name] = frozenset(r.replica_id.unique_id for r in replicas)

@@ -22,17 +22,8 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api.admission import Admission, ApiKeys, SeatedStream, Seats
 from app.api.errors import ERROR_RESPONSES, install_error_handlers
-from app.api.streams import all_of, merge_streams, prompt_only, sse
-from app.conductor import Conductor
-from app.config import LiveKnobs, Mode, PDDConfig, RoleName
-from app.devmodel import resolve_model_source
-from app.engine_client import EngineClient
-from app.extensions import ChatOps, ChatOpsRequest, chat_ops
-from app.generation import GenerationRequest, Output
-from app.index_store import IndexStore
-from app.journal import JOURNAL_CAPACITY
-from app.link_directory import LinkDirectory
-from app.openai_api import (
+from app.api.extensions import ChatOps, ChatOpsRequest, chat_ops
+from app.api.openai_api import (
     APIError,
     ChatCompletion,
     ChatCompletionRequest,
@@ -48,8 +39,17 @@ from app.openai_api import (
     new_request_id,
     now,
 )
-from app.replica_logging import log_to_stderr
-from app.token_channel import SamplingOptions
+from app.api.streams import all_of, merge_streams, prompt_only, sse
+from app.conductor.conductor import Conductor
+from app.conductor.engine_client import EngineClient
+from app.conductor.generation import GenerationRequest, Output
+from app.conductor.index_store import IndexStore
+from app.conductor.journal import JOURNAL_CAPACITY
+from app.conductor.link_directory import LinkDirectory
+from app.config import LiveKnobs, Mode, PDDConfig, RoleName
+from app.engine.devmodel import resolve_model_source
+from app.engine.token_channel import SamplingOptions
+from app.telemetry.replica_logging import log_to_stderr
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.openai_api import APIError
 from app.config import PDDConfig
-from app.openai_api import APIError
 
 COMMANDS = "pdd_serve.commands"
 """`pdd NAME`: a typer app (a group of commands) or a function (one command)."""
@@ -43,7 +43,7 @@ def commands() -> list[tuple[str, Any]]:
 
 
 def chat_ops(config: PDDConfig, conductor: Any, app_name: str) -> ChatOps:
-    """The chat-ops endpoint of one ingress replica (`conductor`: its app.conductor.Conductor)."""
+    """The chat-ops endpoint of one ingress replica (`conductor`: its app.conductor.conductor.Conductor)."""
     found = list(entry_points(group=CHAT_OPS))
     if not found:
         raise APIError(501, f"chat-ops is not installed: no '{CHAT_OPS}' entry point (pip install -e . installs the agents')", type="server_error")

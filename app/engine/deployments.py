@@ -1,6 +1,6 @@
 """The three role deployments: Prefill, RelayDecode, MainDecode (thin wrappers).
 
-All work is in app/engine.py; a role only fixes which config section its
+All work is in app/engine/replica.py; a role only fixes which config section its
 engine comes from. Placement (node group resources / labels) and replica
 counts are applied by app/builder.py.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from ray import serve
 
 from app.config import PDDConfig, RoleName
-from app.engine import EngineServer
-from app.replica_logging import log_to_stderr
+from app.engine.replica import EngineServer
+from app.telemetry.replica_logging import log_to_stderr
 
 #: Serve deployment name of each role.
 DEPLOYMENT_NAMES: dict[RoleName, str] = {

@@ -3,7 +3,7 @@
 Pipelines yield token batches in client order, each tagged with the role that
 produced it; `Conductor.generate` assembles text (stop strings included),
 times every token, records the journey and the metrics. The PD baselines live
-here; the PDD relay/handoff machinery is in app/relay.py.
+here; the PDD relay/handoff machinery is in app/conductor/relay.py.
 """
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ from typing import TYPE_CHECKING, Any
 from msgspec.structs import replace
 from tokenizers import Tokenizer
 
+from app.conductor.engine_client import EngineClient, NoReplicaError
+from app.conductor.generation import ENGINE_FAILURES, EngineError, GenerationRequest, Output, PrefillUnavailable, RequestTimeout, Tokens, check, note_failover
+from app.conductor.index_store import IndexKeeper, IndexStore
+from app.conductor.journal import Journal, Journey, Transfer, slo_summary
+from app.conductor.prefix_index import PrefixIndex
+from app.conductor.readiness import readiness
+from app.conductor.relay import pdd_pipeline
+from app.conductor.textstream import TextAssembler
 from app.config import LinkConfig, LiveKnobs, Mode, PDDConfig, RoleName
-from app.engine import ReplicaInfo
-from app.engine_client import EngineClient, NoReplicaError
-from app.generation import ENGINE_FAILURES, EngineError, GenerationRequest, Output, PrefillUnavailable, RequestTimeout, Tokens, check, note_failover
-from app.index_store import IndexKeeper, IndexStore
-from app.journal import Journal, Journey, Transfer, slo_summary
-from app.kv.link import LinkShare
-from app.kv.params import LEASE, PRODUCE, PULL
-from app.kv.transport import release_lease
+from app.engine.kv.link import LinkShare
+from app.engine.kv.params import LEASE, PRODUCE, PULL
+from app.engine.kv.transport import release_lease
+from app.engine.replica import ReplicaInfo
+from app.engine.token_channel import EngineDelta, EngineRequest, TokenLogprob
 from app.policy import LinkBacklog, Pipeline, affinity_room
-from app.prefix_index import PrefixIndex
-from app.readiness import readiness
-from app.relay import pdd_pipeline
 from app.telemetry import metrics
-from app.textstream import TextAssembler
-from app.token_channel import EngineDelta, EngineRequest, TokenLogprob
 
 if TYPE_CHECKING:
-    from app.link_directory import LinkDirectory
+    from app.conductor.link_directory import LinkDirectory
 
 
 #: Where a request goes when its engine dies mid-stream: the same role first.
@@ -202,7 +202,7 @@ class Conductor:
         metrics.registry().set(metrics.IN_FLIGHT, self.in_flight, replica=self.replica_id)
 
     async def readiness(self) -> dict[str, Any]:
-        """What GET /ready answers (app/readiness.py): never waits for a replica to describe itself."""
+        """What GET /ready answers (app/conductor/readiness.py): never waits for a replica to describe itself."""
         configured = {role: rc.replicas for role, rc in self.config.roles.present().items() if role in self.engines.roles()}
         live = {role: len(await self.engines.replicas(role, wait=False)) for role in configured}
         return readiness(self.config.mode, configured, live)
@@ -267,7 +267,7 @@ class Conductor:
                 async for batch in fallback:
                     yield batch
 
-    # ---- building blocks (also used by app/relay.py) -----------------------------
+    # ---- building blocks (also used by app/conductor/relay.py) -----------------------------
 
     async def route(self, role: RoleName, keys: list[int], journey: Journey) -> tuple[ReplicaInfo, int]:
         """The replica of `role` expected to hold the longest prefix (unless its batch is full)."""

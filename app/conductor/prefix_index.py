@@ -15,7 +15,7 @@ one dictionary lookup per block answers "how long a prefix does this replica
 hold", as vLLM's own prefix cache does.
 
 A replica's confirmed blocks can be saved and restored (`snapshot` / `restore`):
-a new conductor then starts from what the last one knew (app/index_store.py).
+a new conductor then starts from what the last one knew (app/conductor/index_store.py).
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app import carried_sampling
 from app.config import PDDConfig, RoleName
-from app.devmodel import resolve_model_source
-from app.engine_env import set_engine_env
-from app.kv.params import PULL
-from app.token_channel import EngineDelta, EngineRequest, TokenLogprob, TokenStreamServer
+from app.engine import carried_sampling
+from app.engine.devmodel import resolve_model_source
+from app.engine.env import set_engine_env
+from app.engine.kv.params import PULL
+from app.engine.token_channel import EngineDelta, EngineRequest, TokenLogprob, TokenStreamServer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class ReplicaInfo:
     num_kv_blocks: int
     block_size: int
     token_port: int
-    """Where app.token_channel serves this replica's token streams (on node_ip)."""
+    """Where app.engine.token_channel serves this replica's token streams (on node_ip)."""
     kv_bytes_per_block: int
     """Bytes one KV block holds across all layers (what one block costs on a link)."""
     model_runner: str = ""
@@ -72,7 +72,7 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
 
     return KVTransferConfig(
         kv_connector="PDDConnector",
-        kv_connector_module_path="app.kv.connector",
+        kv_connector_module_path="app.engine.kv.connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
@@ -160,7 +160,7 @@ def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = Non
         load_format=config.model.load_format,
         disable_log_stats=False,
         kv_transfer_config=kv_transfer_config,
-        worker_extension_cls="app.kv.control.ConnectorControl",
+        worker_extension_cls="app.engine.kv.control.ConnectorControl",
     )
     if e.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens

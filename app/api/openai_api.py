@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from app.config import Mode
-from app.token_channel import TokenLogprob
+from app.engine.token_channel import TokenLogprob
 
 
 class APIError(Exception):

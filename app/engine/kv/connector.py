@@ -1,6 +1,6 @@
 """PDDConnector: a pull-based vLLM KV connector that moves only the blocks a decoder lacks.
 
-Loaded by vLLM with `kv_connector_module_path="app.kv.connector"`, in both the
+Loaded by vLLM with `kv_connector_module_path="app.engine.kv.connector"`, in both the
 scheduler (EngineCore process) and the worker. Per request it plays one part,
 chosen by the conductor through `kv_transfer_params`:
 
@@ -35,10 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from app.config import PullOrder
-from app.kv.params import LEASE, PRODUCE, PULL
-from app.kv.pull_threads import PullThreads
-from app.kv.steps import StepClock
-from app.kv.transport import BlockServer, KVLayout, LeaseTable, PullResult, PullSpec, pull_blocks
+from app.engine.kv.params import LEASE, PRODUCE, PULL
+from app.engine.kv.pull_threads import PullThreads
+from app.engine.kv.steps import StepClock
+from app.engine.kv.transport import BlockServer, KVLayout, LeaseTable, PullResult, PullSpec, pull_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,7 +64,7 @@ class ConnectorSettings:
     owner_pid: int | None
     """The Serve replica owning this engine: the engine exits when it is gone."""
     record_steps: bool = False
-    """Time every engine step (app/kv/steps.py) and report it with the connector's stats."""
+    """Time every engine step (app/engine/kv/steps.py) and report it with the connector's stats."""
     concurrent_pulls: int = 8
     """Pull threads: pulls this engine runs at once (KVTransferSettings.concurrent_pulls)."""
     pull_order: PullOrder = PullOrder.smallest_first

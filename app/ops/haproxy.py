@@ -7,7 +7,7 @@ its end for nobody (a third of abandoned short requests through `make run`; none
 with splicing off). `-dS` turns splicing off; our bodies are small JSON and
 token chunks, which splicing does not speed up.
 
-app.cluster.serve_env points Ray at this program (RAY_SERVE_HAPROXY_BINARY_PATH),
+app.ops.cluster.serve_env points Ray at this program (RAY_SERVE_HAPROXY_BINARY_PATH),
 which becomes Ray's own HAProxy with `-dS` and the arguments Ray gave.
 """
 

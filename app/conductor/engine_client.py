@@ -1,7 +1,7 @@
 """How the conductor reaches engine replicas.
 
 Discovery and control go through Serve handles (the affinity router publishes
-the live replica set); token streams go over app/token_channel.py.
+the live replica set); token streams go over app/engine/token_channel.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from contextlib import aclosing
 
 from ray.serve.handle import DeploymentHandle
 
+from app.conductor.replica_router import live_replicas
 from app.config import RoleName
-from app.engine import ReplicaInfo
-from app.replica_router import live_replicas
-from app.roles import DEPLOYMENT_NAMES
-from app.token_channel import EngineDelta, EngineRequest, TokenStreamClient
+from app.engine.deployments import DEPLOYMENT_NAMES
+from app.engine.replica import ReplicaInfo
+from app.engine.token_channel import EngineDelta, EngineRequest, TokenStreamClient
 
 logger = logging.getLogger(__name__)
 

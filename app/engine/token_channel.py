@@ -49,7 +49,7 @@ class SamplingOptions(msgspec.Struct):
     sampled_before: int = 0
     """Output tokens other engines sampled before this request's first (its prompt ends
     with them). A seeded request's generator skips their draws, and penalties count
-    them as output (app/carried_sampling.py), so a request that moves between engines
+    them as output (app/engine/carried_sampling.py), so a request that moves between engines
     samples what one engine would have."""
 
     def continued(self, done: int, max_tokens: int | None = None) -> SamplingOptions:
@@ -99,7 +99,7 @@ class EngineDelta(msgspec.Struct, tag="delta"):
     """Prompt tokens served from the prefix cache or loaded by the KV connector."""
     kv_transfer_params: dict[str, Any] | None = None
     transfer: dict[str, Any] | None = None
-    """The KV pull this request made, once it finished (app/kv/connector.py)."""
+    """The KV pull this request made, once it finished (app/engine/kv/connector.py)."""
     engine_ttft_ms: float | None = None
     """On the delta carrying the request's first token: the engine replica's time
     from handing the request to vLLM to vLLM giving that token back (its queue

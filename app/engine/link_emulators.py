@@ -2,7 +2,7 @@
 
 One deployment per receiving datacenter (`Links-<dc>`, placed on that
 datacenter's nodes) hosts a relay for every configured direction into it
-(app/kv/link.py): KV crosses to the receiver's side, and a datacenter that
+(app/engine/kv/link.py): KV crosses to the receiver's side, and a datacenter that
 dies takes only the relays into it along. Its `user_config` is the list of
 links, so a redeploy with new bandwidth/RTT/jitter changes the network without
 a restart; `cut`, `stall`, `degrade` and `restore` inject faults.
@@ -15,9 +15,9 @@ from typing import Any
 from ray import serve
 
 from app.config import LinkConfig
-from app.engine import node_ip
-from app.kv.link import LinkSet
-from app.replica_logging import log_to_stderr
+from app.engine.kv.link import LinkSet
+from app.engine.replica import node_ip
+from app.telemetry.replica_logging import log_to_stderr
 
 
 def deployment_name(datacenter: str) -> str:

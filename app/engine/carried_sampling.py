@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from app.token_channel import SamplingOptions
+    from app.engine.token_channel import SamplingOptions
 
 #: The `SamplingParams.extra_args` key the engine sets from `sampled_before`.
 SAMPLED_BEFORE = "pdd_sampled_before"
@@ -138,7 +138,7 @@ def with_carried(output_token_ids: list[list[int]], rows: list[list[int] | None]
 
 
 def install() -> None:
-    """Patch vLLM's model runner and sampler, once per process (engine workers import app.kv.control)."""
+    """Patch vLLM's model runner and sampler, once per process (engine workers import app.engine.kv.control)."""
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -219,7 +219,7 @@ def check(runner: Any) -> str:
     if missing:
         raise CarriedSamplingUnavailable(
             f"vLLM built model runner {runner_label(runner)} ({_qualname(runner)}) with sampler {_qualname(sampler)}, "
-            f"which do not run app/carried_sampling.py's hooks: {'; '.join(dict.fromkeys(missing))} would differ from one engine's "
+            f"which do not run app/engine/carried_sampling.py's hooks: {'; '.join(dict.fromkeys(missing))} would differ from one engine's "
             "answer once a request moves between engines. Use vLLM's V1 runner (engine.model_runner: v1) and no "
             "engine.extra option that forces Model Runner V2"
         )

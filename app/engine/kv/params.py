@@ -1,6 +1,6 @@
 """The `kv_transfer_params` keys the conductor and the PDD connector agree on.
 
-Kept apart from app/kv/connector.py so the conductor can use them without
+Kept apart from app/engine/kv/connector.py so the conductor can use them without
 importing vLLM.
 """
 
