@@ -1,6 +1,6 @@
 """PDD: route by expected WAN transfer; relay on RLD while MD pulls; hand over by extend-decode.
 
-P-RLD-MD, step by step (../shared/DESIGN.md, Request flow):
+P-RLD-MD, step by step (docs/design.md, Request flow):
 1. P prefills and its first token goes to the client at once.
 2. RLD pulls the prompt KV over the intra-datacenter link and keeps decoding;
    its tokens go to the client as they come ("eager" tokens).
@@ -26,14 +26,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.conductor.engine_client import NoReplicaError
+from app.conductor.engine_ops import EngineOps, lease_of
 from app.conductor.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
 from app.conductor.journal import Journey
 from app.config import HandoffMode, RoleName
 from app.engine.kv.link import direction_name
-from app.engine.kv.params import LEASE
 from app.engine.replica import ReplicaInfo
 from app.engine.token_channel import EngineDelta, EngineRequest
 from app.policy import (
@@ -49,45 +49,42 @@ from app.policy import (
 )
 from app.telemetry import metrics
 
-if TYPE_CHECKING:
-    from app.conductor.conductor import Conductor
-
 logger = logging.getLogger(__name__)
 
 
-def occupancy(c: Conductor, role: RoleName, replica: ReplicaInfo) -> float:
+def occupancy(ops: EngineOps, role: RoleName, replica: ReplicaInfo) -> float:
     """Requests the conductor has in flight on `replica` over its batch limit."""
-    return c.engines.load(replica.replica_id) / c.config.roles.get(role).engine.max_num_seqs
+    return ops.engines.load(replica.replica_id) / ops.config.roles.get(role).engine.max_num_seqs
 
 
-async def rld_load(c: Conductor) -> tuple[ReplicaInfo | None, float]:
+async def rld_load(ops: EngineOps) -> tuple[ReplicaInfo | None, float]:
     """The least loaded RLD replica and its occupancy (relays in flight / batch limit).
     A request can do without a relay: it does not wait for a new RLD replica's description."""
-    infos = await c.engines.replicas(RoleName.relay_decode, wait=False)
-    if not infos or c.config.roles.relay_decode is None:
+    infos = await ops.engines.replicas(RoleName.relay_decode, wait=False)
+    if not infos or ops.config.roles.relay_decode is None:
         return None, 1.0
-    best = min(infos, key=lambda i: c.engines.load(i.replica_id))
-    return best, occupancy(c, RoleName.relay_decode, best)
+    best = min(infos, key=lambda i: ops.engines.load(i.replica_id))
+    return best, occupancy(ops, RoleName.relay_decode, best)
 
 
-async def pdd_pipeline(c: Conductor, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
-    keys = c.index.keys(req.prompt_token_ids)
+async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
+    keys = ops.placement.keys(req.prompt_token_ids)
     try:
-        md, md_cached = await c.route(RoleName.main_decode, keys, journey)
+        md, md_cached = await ops.placement.route(RoleName.main_decode, keys, journey)
     except NoReplicaError:  # datacenter B is down: datacenter A serves alone
         md, md_cached = None, 0
     # a previous turn's warm-up still pulling into this MD: count its blocks, wait for it
-    pending, covered = c.pending_warm(md, keys) if md is not None else (None, 0)
-    md_cached = max(md_cached, covered * c.config.model.block_size)
-    rld, load = await rld_load(c)
+    pending, covered = ops.placement.pending_warm(md, keys) if md is not None else (None, 0)
+    md_cached = max(md_cached, covered * ops.config.model.block_size)
+    rld, load = await rld_load(ops)
     shape = md or rld
     if shape is None:
         raise NoReplicaError("neither a main decoder nor a relay decoder is alive")
-    p_dc = c.config.datacenter_of(RoleName.prefill)
-    md_dc = c.config.datacenter_of(RoleName.main_decode)
-    link = c.config.link(p_dc, md_dc)
+    p_dc = ops.config.datacenter_of(RoleName.prefill)
+    md_dc = ops.config.datacenter_of(RoleName.main_decode)
+    link = ops.config.link(p_dc, md_dc)
     wan = direction_name(p_dc, md_dc)
-    wan_down = await c.links.down_reason(p_dc, md_dc)
+    wan_down = await ops.links.down_reason(p_dc, md_dc)
     decision = choose_pipeline(
         RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
         ClusterFacts(
@@ -98,9 +95,9 @@ async def pdd_pipeline(c: Conductor, req: GenerationRequest, journey: Journey) -
             rld_available=rld is not None,
             wan_up=wan_down is None,
             md_available=md is not None,
-            wan_backlog_bytes=c.backlog(wan),
+            wan_backlog_bytes=ops.accounts.backlog(wan),
         ),
-        c.knobs.routing,
+        ops.knobs.routing,
     )
     journey.pipeline = decision.pipeline.value
     journey.decision = {
@@ -113,29 +110,28 @@ async def pdd_pipeline(c: Conductor, req: GenerationRequest, journey: Journey) -
     if wan_down is not None:
         journey.decision["wan_down"] = wan_down
     consumers = 2 if decision.pipeline is Pipeline.p_rld_md else 1
-    first, p = await c.prefill(req, journey, consumers, keys)
-    lease = (first.kv_transfer_params or {}).get(LEASE)
-    if first.finish_reason != "length" or req.sampling.max_tokens == 1:
-        for _ in range(consumers):
-            await c.release(lease)
-        yield Tokens(first.token_ids, RoleName.prefill, first.finish_reason, first.logprobs, first.prompt_logprobs)
+    first, p = await ops.prefill(req, journey, consumers, keys)
+    last = await ops.ended_on_prefill(req, first, consumers)
+    if last is not None:
+        yield last
         return
+    lease = lease_of(first)
     yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
     wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
     if decision.pipeline is Pipeline.p_md:
-        await c.await_warm(pending)
-        stream = c.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
+        await ops.placement.await_warm(pending)
+        stream = ops.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
     elif decision.pipeline is Pipeline.p_rld:
         if md is not None:  # singular, or WAN down: MD never sees this request
-            c.unroute(md, keys)
+            ops.placement.unroute(md, keys)
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
-        stream = c.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
+        stream = ops.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
     elif decision.pipeline is Pipeline.p_p_md:  # no relay decoder alive: P relays what it prefilled
-        stream = Relay(c, req, journey, md, RoleName.prefill, p, p, first, lease, keys, occupancy(c, RoleName.prefill, p), wan_bytes, pending).run()
+        stream = Relay(ops, req, journey, md, RoleName.prefill, p, p, first, lease, keys, occupancy(ops, RoleName.prefill, p), wan_bytes, pending).run()
     else:
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
-        stream = Relay(c, req, journey, md, RoleName.relay_decode, rld, p, first, lease, keys, load, wan_bytes, pending).run()
+        stream = Relay(ops, req, journey, md, RoleName.relay_decode, rld, p, first, lease, keys, load, wan_bytes, pending).run()
     async with aclosing(stream):
         async for batch in stream:
             yield batch
@@ -150,7 +146,7 @@ class Relay:
 
     def __init__(
         self,
-        c: Conductor,
+        ops: EngineOps,
         req: GenerationRequest,
         journey: Journey,
         md: ReplicaInfo,
@@ -164,11 +160,11 @@ class Relay:
         wan_bytes: int,
         previous_warm: asyncio.Task | None,
     ):
-        self.c, self.req, self.journey = c, req, journey
+        self.ops, self.req, self.journey = ops, req, journey
         self.md, self.relay_role, self.relay, self.first, self.lease, self.keys = md, relay_role, relay, first, lease, keys
         self.prefill = prefill
         """The replica that prefilled the prompt (and still holds it): the relay's fallback."""
-        handoff = c.knobs.handoff
+        handoff = ops.knobs.handoff
         self.handoff = handoff
         self.mode: HandoffMode = resolve_handoff_mode(handoff, load)
         self.wan_bytes = wan_bytes
@@ -187,16 +183,16 @@ class Relay:
 
     async def _md_step(self, request: EngineRequest) -> None:
         """A one-token MD request: pull (warm) or extend (catch-up); its token is discarded."""
-        async for _ in self.c.decode_stream(RoleName.main_decode, self.md, request, self.journey):
+        async for _ in self.ops.decode_stream(RoleName.main_decode, self.md, request, self.journey):
             pass
 
     async def _warm(self, request: EngineRequest) -> None:
-        await self.c.await_warm(self.previous_warm)  # then MD holds what it pulled: only the rest crosses
+        await self.ops.placement.await_warm(self.previous_warm)  # then MD holds what it pulled: only the rest crosses
         await self._md_step(request)
 
     async def _pump(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         try:
-            async for delta in self.c.decode_stream(self.relay_role, self.relay, request, self.journey):
+            async for delta in self.ops.decode_stream(self.relay_role, self.relay, request, self.journey):
                 queue.put_nowait(delta)
                 if delta.finished:
                     return
@@ -204,27 +200,27 @@ class Relay:
             raise
         except Exception as exc:  # noqa: BLE001 - the relay failed: P relays on, or MD takes over early
             if isinstance(exc, ENGINE_FAILURES):  # the next requests do not try it while Serve replaces it
-                self.c.engines.suspect(self.relay.replica_id)
+                self.ops.engines.suspect(self.relay.replica_id)
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(_END)
 
     async def run(self) -> AsyncIterator[Tokens]:
-        c, req = self.c, self.req
+        ops, req = self.ops, self.req
         if self.relay_role is RoleName.relay_decode:
             relay_request = EngineRequest(
                 f"{req.request_id}-rld",
                 req.prompt_token_ids + self.out,
                 req.sampling.continued(len(self.out)),
-                kv_transfer_params=await c.pull_params(self.lease, self.relay.datacenter),
+                kv_transfer_params=await ops.pull_params(self.lease, self.relay.datacenter),
             )
         else:
             relay_request = self._prefill_relay_request()
-        warm = self._md_request("warm", list(self.out), 1, await c.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
+        warm = self._md_request("warm", list(self.out), 1, await ops.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
         queue: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(relay_request, queue))
         md_task: asyncio.Task | None = asyncio.create_task(self._warm(warm))
-        c.track_warm(self.md, self.keys, md_task)
+        ops.placement.track_warm(self.md, self.keys, md_task)
         md_covers = len(self.out)  # tokens of `out` whose KV the running/finished MD step computes
         handed = 0
         rounds = 0
@@ -272,7 +268,7 @@ class Relay:
                     if md_task.exception() is not None:
                         # MD cannot take over: the relay finishes the request if it can;
                         # otherwise the final step below fails over to another decoder
-                        self.c.engines.suspect(self.md.replica_id)
+                        self.ops.engines.suspect(self.md.replica_id)
                         self.journey.decision["md_failure"] = f"{type(md_task.exception()).__name__}: {md_task.exception()}"
                         md_task = None
                         if relaying:
@@ -316,30 +312,18 @@ class Relay:
             "relay_tokens_discarded": discarded,
             "latency_ms": None,
         }
-        output = list(self.out)
-        served_by: RoleName | None = None
-        finished = False
-        try:
-            async with aclosing(self.c.follow(RoleName.main_decode, self.md, final, req, self.journey, list(self.out))) as stream:
-                async for served_by, delta in stream:
-                    if delta.token_ids and self.journey.handoff["latency_ms"] is None:
-                        self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
-                    output += delta.token_ids
-                    finished = delta.finished
-                    if finished and served_by is RoleName.main_decode:
-                        self.c.remember(self.md, req.prompt_token_ids + output)
-                    if delta.token_ids or delta.finished:
-                        yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs)
-        except GeneratorExit:
-            # the client's stream ended first (a stop string): MD's cache keeps what it computed
-            if not finished and served_by is RoleName.main_decode:
-                self.c.remember(self.md, req.prompt_token_ids + output)
-            raise
+        stream = self.ops.served(RoleName.main_decode, self.md, final, req, self.journey, list(self.out), keys=None)
+        async with aclosing(stream):
+            async for served_by, delta in stream:
+                if delta.token_ids and self.journey.handoff["latency_ms"] is None:
+                    self.journey.handoff["latency_ms"] = (time.monotonic() - t_handoff) * 1000
+                if delta.token_ids or delta.finished:
+                    yield Tokens(delta.token_ids, served_by, delta.finish_reason if delta.finished else None, delta.logprobs)
 
     def _relay_on_prefill(self, failure: Exception) -> bool:
         """RLD failed mid-relay: the prefill replica takes the relay over from the tokens sent
         (as P-P-MD's relay), so the stream does not wait for MD's pull. True if it does."""
-        if not self.c.knobs.routing.prefill_relays:
+        if not self.ops.knobs.routing.prefill_relays:
             return False
         note_failover(self.journey, (self.relay_role, self.relay), (RoleName.prefill, self.prefill), len(self.out), failure)
         self.relay_role, self.relay = RoleName.prefill, self.prefill
@@ -360,23 +344,23 @@ class Relay:
         only what is new (not the answer's KV over the WAN, turn after turn)."""
         if md_task is None:
             return
-        c, md, journey, prompt = self.c, self.md, self.journey, self.req.prompt_token_ids
+        ops, md, journey, prompt = self.ops, self.md, self.journey, self.req.prompt_token_ids
         sync = self._md_request("sync", list(self.out), 1)
         turn = sync.prompt_token_ids
 
         async def bring_md_along() -> None:
             await md_task
-            c.remember(md, prompt + self.first.token_ids)
+            ops.placement.remember(md, prompt + self.first.token_ids)
             metrics.record_kv(journey)  # the warm's pull and MD's hit, after the request ended
             await self._md_step(sync)
-            c.remember(md, turn)
+            ops.placement.remember(md, turn)
 
         task = asyncio.create_task(bring_md_along())
-        c.track_warm(md, c.index.keys(turn), task)  # the next turn waits for it, then pulls only the rest
-        c.background.add(task)
+        ops.placement.track_warm(md, ops.placement.keys(turn), task)  # the next turn waits for it, then pulls only the rest
+        ops.background.add(task)
 
         def done(task: asyncio.Task) -> None:
-            c.background.discard(task)
+            ops.background.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 logger.info("MD %s did not catch up on %s: %s", md.replica_id, journey.request_id, task.exception())
 

@@ -56,7 +56,7 @@ class PDDPipelines:
     def _pdd(self, job: Job) -> None:
         req = job.req
         md, md_cached = None, 0
-        if not self._down("main_decode"):  # Conductor.route raises when no main decoder is alive
+        if not self._down("main_decode"):  # Placement.route raises when no main decoder is alive
             md, md_cached = self._route(RoleName.main_decode, job.keys)
             # a previous turn's MD work still running there: count its blocks, wait for it
             job.after, covered = self.pending.covering(md.name, job.keys)
@@ -192,7 +192,7 @@ class PDDPipelines:
     def _main_pulled(self, job: Job) -> None:
         self._pull_done(job)
         req = job.req
-        # MD's report: what it moved, beside routing's estimate (Conductor.decode_stream)
+        # MD's report: what it moved, beside routing's estimate (EngineOps.decode_stream)
         moved = blocks_missing(req.prompt_tokens, job.dl.hit, self.block) * self.block_bytes
         if moved < job.wan_planned:
             self.wan_backlog.settle(job.wan_place, job.wan_planned, moved, self.loop.now)

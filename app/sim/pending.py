@@ -1,4 +1,4 @@
-"""MD work later turns wait for: the twin's Conductor.track_warm / pending_warm / await_warm.
+"""MD work later turns wait for: the twin's Placement.track_warm / pending_warm / await_warm.
 
 A main decoder's warm-up (P-RLD-MD), or its catch-up on a turn the relay
 finished, is tracked by its last block key on its replica. A later turn whose
@@ -31,7 +31,7 @@ class PendingMDWork:
         self.loop = loop
         self.timeout_s = timeout_s
         self._warms: dict[str, dict[int, Warm]] = {}
-        """Replica name -> last block key -> work in flight (Conductor._warms)."""
+        """Replica name -> last block key -> work in flight (as app/conductor/placement.py tracks them)."""
 
     def track(self, replica: str, keys: KeyChain) -> Warm | None:
         if not keys:

@@ -222,7 +222,7 @@ class Twin(PDDPipelines):
     def _down(self, kind: str) -> bool:
         return self.outages.down(kind, self.loop.now)
 
-    # ---- the conductor's index (Conductor.route / unroute / remember) ------------------
+    # ---- the conductor's index (Placement.route / unroute / remember) ------------------
 
     def _route(self, role: RoleName, keys: KeyChain) -> tuple[Instance, int]:
         index = self.index
@@ -297,7 +297,7 @@ class Twin(PDDPipelines):
 
     @cython.locals(job=Job)
     def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None:
-        """Conductor.prefill: route P by prefix, P computes the prompt and its first token."""
+        """EngineOps.prefill: route P by prefix, P computes the prompt and its first token."""
         req = job.req
         p, _ = self._route(RoleName.prefill, job.keys)
         job.p = p

@@ -116,10 +116,10 @@ def test_a_pull_is_judged_on_the_bytes_it_moved_at_the_share_the_model_gave_it(c
     config = conductor.config.link("dc-a", "dc-b")
     bytes_per_s = config.bandwidth_mbps * 1e6 / 8
     request = _request([])
-    conductor._link_share(link).start(request.request_id, 1_000_000, now=0.0, destination="md-0")
-    pull = {"link": link, "expected_bytes": 1_000_000}
-    assert conductor._model_seconds(pull, request, 2_000_000) == pytest.approx(config.mean_latency_s + 2 * 1_000_000 / bytes_per_s)
-    assert conductor._model_seconds({"link": "dc-b->dc-a", "expected_bytes": 10}, request, 10) is None  # no pull routed there
+    accounts = conductor.accounts
+    accounts.share(link).start(request.request_id, 1_000_000, now=0.0, destination="md-0")
+    assert accounts.model_seconds(link, request.request_id, 1_000_000, 2_000_000) == pytest.approx(config.mean_latency_s + 2 * 1_000_000 / bytes_per_s)
+    assert accounts.model_seconds("dc-b->dc-a", request.request_id, 10, 10) is None  # no pull routed there
 
 
 async def _pull_stream(conductor, expected_bytes: int) -> tuple[int, int]:
@@ -132,11 +132,11 @@ async def _pull_stream(conductor, expected_bytes: int) -> tuple[int, int]:
         SamplingOptions(max_tokens=200),
         kv_transfer_params={PULL: {"link": link, "expected_bytes": expected_bytes, "host": "10.0.0.1"}},
     )
-    stream = conductor.decode_stream(RoleName.main_decode, conductor.engines.replica, request, Journey("req-1", "pdd", 3, 200))
+    stream = conductor.ops.decode_stream(RoleName.main_decode, conductor.engines.replica, request, Journey("req-1", "pdd", 3, 200))
     before = []
-    conductor.engines.on_open = lambda: before.append(conductor.backlog(link))
+    conductor.engines.on_open = lambda: before.append(conductor.accounts.backlog(link))
     await anext(stream)
-    after = conductor.backlog(link)
+    after = conductor.accounts.backlog(link)
     await stream.aclose()
     return before[0], after
 
@@ -146,7 +146,7 @@ async def test_what_a_pull_did_not_move_leaves_the_wan_backlog_at_its_report(con
     and the next request's estimate no longer waits behind them."""
     conductor.engines.transfer = {"link": "dc-a->dc-b", "blocks": 10, "bytes": 10_000_000, "seconds": 1.0}
     before, after = await _pull_stream(conductor, 50_000_000)
-    drain = conductor._link_config("dc-a->dc-b").bytes_per_s * 0.5  # at most half a second passes
+    drain = conductor.config.link("dc-a", "dc-b").bytes_per_s * 0.5  # at most half a second passes
     assert before > 50_000_000 - drain
     assert 10_000_000 - drain < after <= 10_000_000
 
@@ -155,7 +155,7 @@ async def test_a_first_token_without_a_report_means_the_pull_moved_nothing(condu
     """A decoder whose cache held the whole prompt pulls nothing and reports nothing."""
     before, after = await _pull_stream(conductor, 50_000_000)
     assert before > 40_000_000 and after == 0
-    assert conductor._link_share("dc-a->dc-b").finish("req-1-md", now=1e9) is None  # gone from the share model too
+    assert conductor.accounts.share("dc-a->dc-b").finish("req-1-md", now=1e9) is None  # gone from the share model too
 
 
 def _scored_request(prompt: list[int]) -> GenerationRequest:
