@@ -217,3 +217,71 @@ def relay_cap(handoff: HandoffConfig, rld_load: float) -> int:
     """Most tokens RLD may produce for one request; shrinks as RLD fills up."""
     scaled = handoff.relay_cap_tokens * max(0.0, 1.0 - rld_load)
     return max(handoff.min_relay_cap_tokens, int(scaled))
+
+
+class RelayPhase(str, Enum):
+    relaying = "relaying"
+    """RLD's tokens go to the client while MD warms up or catches up."""
+    waiting = "waiting"
+    """RLD stopped (its cap, or it failed): the client waits for MD's step, the final one."""
+    handed_over = "handed_over"
+    """MD continues the stream."""
+    relay_finished = "relay_finished"
+    """RLD ended the request before any handoff."""
+
+
+@dataclass
+class RelayMachine:
+    """One P-RLD-MD request from P's first token on, as the conductor (app/conductor/relay.py)
+    and the twin (app/sim/pdd.py) both run it. Counts are of eager tokens: those after P's
+    first token that the client got from the relay."""
+
+    cap: int
+    mode: HandoffMode
+    handoff: HandoffConfig
+    phase: RelayPhase = RelayPhase.relaying
+    relayed: int = 0
+    """Eager tokens the client has."""
+    sent: int = 0
+    """Of those, the ones MD's steps computed or are computing."""
+    rounds: int = 0
+    """Catch-up rounds so far."""
+
+    @classmethod
+    def start(cls, handoff: HandoffConfig, rld_load: float) -> RelayMachine:
+        return cls(relay_cap(handoff, rld_load), resolve_handoff_mode(handoff, rld_load), handoff)
+
+    def take(self, offered: int, last: bool) -> int:
+        """RLD produced `offered` more tokens (`last`: its final ones). How many the client
+        takes: none past the cap; reaching the cap stops the relay."""
+        n = max(0, min(offered, self.cap - self.relayed))
+        self.relayed += n
+        if last and n == offered:
+            self.phase = RelayPhase.relay_finished
+        elif self.relayed >= self.cap:
+            self.phase = RelayPhase.waiting
+        return n
+
+    def relay_stopped(self) -> None:
+        """RLD's stream ended without finishing the request (it failed, with no replacement)."""
+        if self.phase is RelayPhase.relaying:
+            self.phase = RelayPhase.waiting
+
+    def md_failed(self, max_tokens: int) -> None:
+        """MD cannot take over: a relay still going finishes the request, uncapped; one that
+        stopped leaves the final step to another decoder."""
+        if self.phase is RelayPhase.relaying:
+            self.cap = max_tokens
+        elif self.phase is RelayPhase.waiting:
+            self.phase = RelayPhase.handed_over
+
+    def md_step_done(self) -> HandoffStep:
+        """MD finished a step (its warm-up or a catch-up round): another round over the tokens
+        relayed since, or the final step (RLD stops, MD continues the stream)."""
+        if self.phase is RelayPhase.relaying:
+            if next_handoff_step(self.relayed - self.sent, self.rounds, self.mode, self.handoff) is HandoffStep.catch_up:
+                self.rounds += 1
+                self.sent = self.relayed
+                return HandoffStep.catch_up
+        self.phase = RelayPhase.handed_over
+        return HandoffStep.final

@@ -32,7 +32,7 @@ from app.conductor.engine_client import NoReplicaError
 from app.conductor.engine_ops import EngineOps, lease_of
 from app.conductor.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
 from app.conductor.journal import Journey
-from app.config import HandoffMode, RoleName
+from app.config import RoleName
 from app.engine.kv.link import direction_name
 from app.engine.replica import ReplicaInfo
 from app.engine.token_channel import EngineDelta, EngineRequest
@@ -41,11 +41,10 @@ from app.policy import (
     HandoffStep,
     LinkFacts,
     Pipeline,
+    RelayMachine,
+    RelayPhase,
     RequestFacts,
     choose_pipeline,
-    next_handoff_step,
-    relay_cap,
-    resolve_handoff_mode,
 )
 from app.telemetry import metrics
 
@@ -164,14 +163,17 @@ class Relay:
         self.md, self.relay_role, self.relay, self.first, self.lease, self.keys = md, relay_role, relay, first, lease, keys
         self.prefill = prefill
         """The replica that prefilled the prompt (and still holds it): the relay's fallback."""
-        handoff = ops.knobs.handoff
-        self.handoff = handoff
-        self.mode: HandoffMode = resolve_handoff_mode(handoff, load)
+        self.machine = RelayMachine.start(ops.knobs.handoff, load)
         self.wan_bytes = wan_bytes
         self.previous_warm = previous_warm
-        self.cap = relay_cap(handoff, load)
         self.out: list[int] = list(first.token_ids)
-        """Tokens the client has (the eager tokens MD must catch up on)."""
+        """Tokens the client has: P's first, then the relay's (the eager tokens MD must catch up on)."""
+        self.handed = 0
+        """Tokens of `out` whose KV MD's last finished step computed."""
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pump: asyncio.Task | None = None
+        self.next_item: asyncio.Task | None = None
+        self.md_task: asyncio.Task | None = None
 
     def _md_request(self, suffix: str, tokens: list[int], max_tokens: int, kv: dict[str, Any] | None = None) -> EngineRequest:
         return EngineRequest(
@@ -206,108 +208,123 @@ class Relay:
             queue.put_nowait(_END)
 
     async def run(self) -> AsyncIterator[Tokens]:
-        ops, req = self.ops, self.req
-        if self.relay_role is RoleName.relay_decode:
-            relay_request = EngineRequest(
-                f"{req.request_id}-rld",
-                req.prompt_token_ids + self.out,
-                req.sampling.continued(len(self.out)),
-                kv_transfer_params=await ops.pull_params(self.lease, self.relay.datacenter),
-            )
-        else:
-            relay_request = self._prefill_relay_request()
-        warm = self._md_request("warm", list(self.out), 1, await ops.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
-        queue: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(relay_request, queue))
-        md_task: asyncio.Task | None = asyncio.create_task(self._warm(warm))
-        ops.placement.track_warm(self.md, self.keys, md_task)
-        md_covers = len(self.out)  # tokens of `out` whose KV the running/finished MD step computes
-        handed = 0
-        rounds = 0
-        relaying = True
-        next_item = asyncio.create_task(queue.get())
+        """RLD relays while MD warms and catches up (RelayMachine decides each step), then MD
+        continues the stream; or RLD finishes the request, and MD catches up in the background."""
+        warm = self._md_request("warm", list(self.out), 1, await self.ops.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
+        self._start_pump(await self._relay_request())
+        self.md_task = asyncio.create_task(self._warm(warm))
+        self.ops.placement.track_warm(self.md, self.keys, self.md_task)
+        machine = self.machine
         try:
-            while True:
-                waiting = {t for t in (md_task, next_item if relaying else None) if t is not None}
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if next_item in done:
-                    item = next_item.result()
-                    if isinstance(item, Exception) and self.relay_role is RoleName.relay_decode:
-                        self.journey.decision["rld_failure"] = f"{type(item).__name__}: {item}"
-                        if self._relay_on_prefill(item):
-                            queue = asyncio.Queue()
-                            pump = asyncio.create_task(self._pump(self._prefill_relay_request(), queue))
-                            next_item = asyncio.create_task(queue.get())
-                        else:
-                            relaying = False
-                    elif isinstance(item, Exception) or item is _END:
-                        relaying = False
-                    else:
-                        tokens = item.token_ids[: max(0, self.cap - (len(self.out) - 1))]
-                        logprobs = None if item.logprobs is None else item.logprobs[: len(tokens)]
-                        self.out += tokens
-                        finished = item.finished and len(tokens) == len(item.token_ids)
-                        if finished:  # RLD ended the request before the handoff
-                            self._finish_md_in_background(md_task)
-                            md_task = None
-                            self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "relay finished the request"}
-                            yield Tokens(tokens, self.relay_role, item.finish_reason, logprobs)
-                            return
-                        if tokens:
-                            yield Tokens(tokens, self.relay_role, logprobs=logprobs)
-                        if len(self.out) - 1 >= self.cap:
-                            relaying = False
-                            self.journey.decision["relay_capped_at"] = self.cap
-                            # RLD's request ends at its cap: its batch slot is what the cap protects,
-                            # and past it its tokens would only be discarded (an MD that fails now is
-                            # replaced by the final step's failover, not by RLD)
-                            pump.cancel()
-                        else:
-                            next_item = asyncio.create_task(queue.get())
-                if md_task is not None and md_task in done:
-                    if md_task.exception() is not None:
-                        # MD cannot take over: the relay finishes the request if it can;
-                        # otherwise the final step below fails over to another decoder
-                        self.ops.engines.suspect(self.md.replica_id)
-                        self.journey.decision["md_failure"] = f"{type(md_task.exception()).__name__}: {md_task.exception()}"
-                        md_task = None
-                        if relaying:
-                            self.cap = req.sampling.max_tokens
-                            continue
-                        break
-                    handed = md_covers
-                    step = next_handoff_step(len(self.out) - handed, rounds, self.mode, self.handoff) if relaying else HandoffStep.final
-                    if step is HandoffStep.catch_up:
-                        md_covers = len(self.out)
-                        rounds += 1
-                        md_task = asyncio.create_task(self._md_step(self._md_request(f"cu{rounds}", list(self.out), 1)))
-                        continue
+            while machine.phase in (RelayPhase.relaying, RelayPhase.waiting):
+                relaying = machine.phase is RelayPhase.relaying
+                waiting = {t for t in (self.md_task, self.next_item if relaying else None) if t is not None}
+                if not waiting:  # the relay stopped and MD failed: the final step fails over
                     break
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if relaying and self.next_item in done:
+                    batch = self._on_relay_item(self.next_item.result())
+                    if batch is not None:
+                        yield batch
+                    if machine.phase is RelayPhase.relay_finished:
+                        return
+                if self.md_task is not None and self.md_task in done:
+                    self._on_md_step(self.md_task)
         except GeneratorExit:
             # the client's stream ended during the relay (the conductor stops reading at a stop
             # string): the turn is over, as if RLD had finished it, and MD's cache must not fall
             # behind P's, so MD still catches up on it for the conversation's next turn
-            if relaying and md_task is not None:
-                self._finish_md_in_background(md_task)
-                md_task = None
-                self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": "the stream ended during the relay"}
+            if machine.phase is RelayPhase.relaying and self.md_task is not None:
+                self._relay_ended("the stream ended during the relay")
             raise
         finally:
-            next_item.cancel()
-            pump.cancel()
-            if md_task is not None and not md_task.done():
-                md_task.cancel()
+            for task in (self.next_item, self.pump):
+                if task is not None:
+                    task.cancel()
+            if self.md_task is not None and not self.md_task.done():
+                self.md_task.cancel()
+        async with aclosing(self._final_step()) as final:
+            async for batch in final:
+                yield batch
 
-        # Final step: RLD is stopped (pump cancelled: its request is aborted), MD continues.
-        discarded = sum(len(d.token_ids) for d in _drain(queue))
+    async def _relay_request(self) -> EngineRequest:
+        if self.relay_role is not RoleName.relay_decode:
+            return self._prefill_relay_request()
+        req = self.req
+        return EngineRequest(
+            f"{req.request_id}-rld",
+            req.prompt_token_ids + self.out,
+            req.sampling.continued(len(self.out)),
+            kv_transfer_params=await self.ops.pull_params(self.lease, self.relay.datacenter),
+        )
+
+    def _start_pump(self, request: EngineRequest) -> None:
+        self.queue = asyncio.Queue()
+        self.pump = asyncio.create_task(self._pump(request, self.queue))
+        self.next_item = asyncio.create_task(self.queue.get())
+
+    def _on_relay_item(self, item: EngineDelta | Exception | object) -> Tokens | None:
+        """The relay's next delta, failure or end: the tokens the client takes from it, if any."""
+        machine = self.machine
+        if isinstance(item, Exception) and self.relay_role is RoleName.relay_decode:
+            self.journey.decision["rld_failure"] = f"{type(item).__name__}: {item}"
+            if self._relay_on_prefill(item):
+                self._start_pump(self._prefill_relay_request())
+            else:
+                machine.relay_stopped()
+            return None
+        if not isinstance(item, EngineDelta):  # a failed prefill relay, or the stream's end
+            machine.relay_stopped()
+            return None
+        tokens = item.token_ids[: machine.take(len(item.token_ids), item.finished)]
+        logprobs = None if item.logprobs is None else item.logprobs[: len(tokens)]
+        self.out += tokens
+        if machine.phase is RelayPhase.relay_finished:
+            self._relay_ended("relay finished the request")
+            return Tokens(tokens, self.relay_role, item.finish_reason, logprobs)
+        if machine.phase is RelayPhase.waiting:
+            self.journey.decision["relay_capped_at"] = machine.cap
+            # RLD's request ends at its cap: its batch slot is what the cap protects, and past
+            # it its tokens would only be discarded (an MD that fails now is replaced by the
+            # final step's failover, not by RLD)
+            self.pump.cancel()
+        else:
+            self.next_item = asyncio.create_task(self.queue.get())
+        return Tokens(tokens, self.relay_role, logprobs=logprobs) if tokens else None
+
+    def _on_md_step(self, task: asyncio.Task) -> None:
+        """MD's step ended: a catch-up round starts, or the final step is next."""
+        self.md_task = None
+        if task.exception() is not None:
+            # MD cannot take over: the relay finishes the request if it can; otherwise
+            # the final step fails over to another decoder
+            self.ops.engines.suspect(self.md.replica_id)
+            self.journey.decision["md_failure"] = f"{type(task.exception()).__name__}: {task.exception()}"
+            self.machine.md_failed(self.req.sampling.max_tokens)
+            return
+        self.handed = len(self.first.token_ids) + self.machine.sent
+        if self.machine.md_step_done() is HandoffStep.catch_up:
+            request = self._md_request(f"cu{self.machine.rounds}", list(self.out), 1)
+            self.md_task = asyncio.create_task(self._md_step(request))
+
+    def _relay_ended(self, reason: str) -> None:
+        """The turn ended on the relay: MD catches up on it in the background."""
+        self._finish_md_in_background(self.md_task)
+        self.md_task = None
+        self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": reason}
+
+    async def _final_step(self) -> AsyncIterator[Tokens]:
+        """RLD is stopped (its request aborted), and MD continues from every token the client has."""
+        req, machine = self.req, self.machine
+        discarded = sum(len(d.token_ids) for d in _drain(self.queue))
         t_handoff = time.monotonic()
         final = self._md_request("md", list(self.out), req.sampling.max_tokens - len(self.out))
         self.journey.handoff = {
-            "mode": self.mode.value,
+            "mode": machine.mode.value,
             "point": len(self.out),
-            "steps": rounds + 1,
+            "steps": machine.rounds + 1,
             "tokens": len(self.out),
-            "final_step_tokens": len(self.out) - handed,
+            "final_step_tokens": len(self.out) - self.handed,
             "relay_tokens": len(self.out) - 1,
             "relay_tokens_discarded": discarded,
             "latency_ms": None,

@@ -11,6 +11,6 @@ cdef class Job:
     cdef public object rid, req, sess, gen, pipe, keys, full, t_first, t_last, gap, done
     cdef public Instance p, d, r, md
     cdef public Lease pl, dl, rl
-    cdef public object pulls, seq, sent, rounds, hmode, cap
-    cdef public object capped, relay_tokens, t_relay_last, handed, wan, wan_planned, wan_place, t_prev, off
+    cdef public object pulls, seq, relay
+    cdef public object relay_tokens, t_relay_last, handed, wan, wan_planned, wan_place, t_prev, off
     cdef public object after, warm, catch_up, row

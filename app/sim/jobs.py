@@ -44,11 +44,7 @@ class Job:
         "md",
         "pulls",
         "seq",
-        "sent",
-        "rounds",
-        "hmode",
-        "cap",
-        "capped",
+        "relay",
         "relay_tokens",
         "t_relay_last",
         "handed",
@@ -89,13 +85,8 @@ class Job:
         self.pulls = 0
         self.seq: Seq | None = None
         """The relay's running sequence (None once RLD's request ended: finished, capped or aborted)."""
-        self.sent = 0
-        """Relay tokens MD has been sent (covered by its extend steps)."""
-        self.rounds = 0
-        self.hmode = None
-        self.cap = 0
-        self.capped = False
-        """The relay reached its cap: the client has `relay_tokens` relay tokens and RLD's request ended."""
+        self.relay = None
+        """The relay's state machine (app/policy.py RelayMachine), as the conductor runs it."""
         self.relay_tokens = 0
         self.t_relay_last = -1.0
         self.handed = False

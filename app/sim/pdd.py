@@ -36,12 +36,11 @@ from app.policy import (
     ClusterFacts,
     HandoffStep,
     Pipeline,
+    RelayMachine,
+    RelayPhase,
     RequestFacts,
     blocks_missing,
     choose_pipeline,
-    next_handoff_step,
-    relay_cap,
-    resolve_handoff_mode,
 )
 from app.sim.engine import WAITING, Instance, PrefillJob, Seq
 from app.sim.jobs import Job
@@ -81,10 +80,9 @@ class PDDPipelines:
 
     @cython.locals(job=Job)
     def _relay_on(self, job: Job, relay: Instance, load: float) -> None:
-        """The relay's instance, cap and handoff mode, from its occupancy (relay.Relay)."""
+        """The relay's instance, and its machine (cap, handoff mode) from its occupancy (relay.Relay)."""
         job.r = relay
-        job.cap = relay_cap(self.handoff, load)
-        job.hmode = resolve_handoff_mode(self.handoff, load)
+        job.relay = RelayMachine.start(self.handoff, load)
 
     @staticmethod
     def _streams(inst: Instance) -> int:
@@ -160,7 +158,7 @@ class PDDPipelines:
         if job.handed:  # MD took over before the relay could start: its request was aborted
             self._end_relay(job, req.prompt_tokens)
             return
-        n = min(job.cap, req.output_tokens - 1)
+        n = min(job.relay.cap, req.output_tokens - 1)
         job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped, pulled=True)
 
     @cython.locals(job=Job)
@@ -178,14 +176,14 @@ class PDDPipelines:
         job.gap = max(job.gap, seq.t_first - job.t_first, worst)
         job.relay_tokens = seq.n
         job.t_relay_last = now
-        if seq.n == req.output_tokens - 1:  # RLD ended the request before the handoff
+        job.relay.take(seq.n - job.relay.relayed, seq.n == req.output_tokens - 1)
+        if job.relay.phase is RelayPhase.relay_finished:  # RLD ended the request before the handoff
             self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
             job.catch_up = self.pending.track(job.md.name, job.full)  # MD catches up on the answer: the next turn waits for it
             job.t_last = now
             self._finish(job)
             return
         # at the cap: RLD's request ends (relay.py aborts it), and the stream waits for MD
-        job.capped = True
         self._end_relay(job, seq.ctx + seq.n)
 
     @cython.locals(job=Job)
@@ -218,29 +216,28 @@ class PDDPipelines:
             job.warm = None
         if job.done:  # RLD finished the request: MD's steps only bring its cache along
             self.index.record(md.name, job.full.head((req.prompt_tokens + 1) // self.block), md.kv_blocks)
-            behind = req.output_tokens - 1 - job.sent
+            sent = job.relay.sent
+            behind = req.output_tokens - 1 - sent
             if behind > 0:  # relay.py: MD extends over the relay's tokens, in the background
-                pj = PrefillJob(job, behind, req.prompt_tokens + 1 + job.sent, req.prompt_tokens + req.output_tokens, job.dl, self._md_caught_up)
+                pj = PrefillJob(job, behind, req.prompt_tokens + 1 + sent, req.prompt_tokens + req.output_tokens, job.dl, self._md_caught_up)
                 md.submit_prefill(pj)
                 return
             md.streams -= 1
-            md.close(job.dl, req.prompt_tokens + 1 + job.sent, job.gen)
+            md.close(job.dl, req.prompt_tokens + 1 + sent, job.gen)
             self.pending.done(md.name, job.catch_up)
             return
         md.streams -= 1
-        seq = job.seq
-        if job.capped:
-            self._extend(job, job.relay_tokens, final=True)
+        seq, relay = job.seq, job.relay
+        sent, capped = relay.sent, relay.phase is RelayPhase.waiting
+        if seq is not None and relay.phase is RelayPhase.relaying:  # RLD's tokens so far reach the client
+            produced, _ = job.r.tokens_by(seq, now)
+            relay.take(produced - relay.relayed, False)
+        if relay.md_step_done() is HandoffStep.catch_up:
+            self._extend(job, sent, relay.sent, final=False)
             return
-        if seq is None:  # the relay has not started: MD continues from the first token
-            job.handed = True
-            self._extend(job, 0, final=True)
-            return
-        produced, _ = job.r.tokens_by(seq, now)
-        step = next_handoff_step(produced - job.sent, job.rounds, job.hmode, self.handoff)
-        if step is HandoffStep.catch_up:
-            job.rounds += 1
-            self._extend(job, produced, final=False)
+        if seq is None:  # RLD's request ended at its cap, or the relay has not started
+            job.handed = not capped  # not started: its request is aborted when it would start
+            self._extend(job, sent, relay.relayed, final=True)
             return
         started = seq.state != WAITING
         produced, t_last, worst = job.r.abort(seq, now)
@@ -249,7 +246,7 @@ class PDDPipelines:
             job.t_relay_last = t_last
         job.relay_tokens = produced
         self._end_relay(job, req.prompt_tokens + 1 + produced)
-        self._extend(job, produced, final=True)
+        self._extend(job, sent, produced, final=True)
 
     @cython.locals(pj=PrefillJob, job=Job)
     def _md_caught_up(self, pj: PrefillJob) -> None:
@@ -262,14 +259,13 @@ class PDDPipelines:
         self.pending.done(md.name, job.catch_up)
 
     @cython.locals(job=Job)
-    def _extend(self, job: Job, upto: int, final: bool) -> None:
+    def _extend(self, job: Job, sent: int, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the
-        relay tokens it has not been sent yet in one extend step (at least one token).
+        relay tokens past the `sent` it already has in one extend step (at least one token).
         A catch-up request stops there; the final one decodes the rest."""
         req = job.req
-        ctx = req.prompt_tokens + 1 + job.sent
-        tokens = upto - job.sent
-        job.sent = upto
+        ctx = req.prompt_tokens + 1 + sent
+        tokens = upto - sent
         if final:
             need, cb = req.prompt_tokens + req.output_tokens, self._handed_over
         else:

@@ -13,6 +13,8 @@ from app.policy import (
     LinkBacklog,
     LinkFacts,
     Pipeline,
+    RelayMachine,
+    RelayPhase,
     RequestFacts,
     blocks_missing,
     choose_pipeline,
@@ -227,3 +229,34 @@ def test_prefill_relays_while_no_relay_decoder_is_alive():
     assert choose_pipeline(RequestFacts(4000, 100, 3968), cluster(rld=False), routing()).pipeline is Pipeline.p_md
     # a saturated relay decoder is alive: its requests pay the transfer, they do not load P
     assert choose_pipeline(lacking, cluster(load=1.0), routing()).pipeline is Pipeline.p_md
+
+
+def test_the_relay_machine_catches_up_while_much_is_pending_then_hands_over():
+    machine = RelayMachine.start(HandoffConfig(mode=HandoffMode.catch_up, catch_up_threshold_tokens=32, relay_cap_tokens=1000), rld_load=0.0)
+    assert machine.take(100, last=False) == 100 and machine.phase is RelayPhase.relaying
+    assert machine.md_step_done() is HandoffStep.catch_up and machine.sent == 100 and machine.rounds == 1  # the warm-up ended
+    machine.take(20, last=False)
+    assert machine.md_step_done() is HandoffStep.final and machine.phase is RelayPhase.handed_over  # 20 left: under the threshold
+
+
+def test_the_relay_machine_stops_the_relay_at_its_cap_and_hands_over_at_mds_next_step():
+    machine = RelayMachine.start(HandoffConfig(mode=HandoffMode.catch_up, relay_cap_tokens=64, min_relay_cap_tokens=64), rld_load=0.0)
+    assert machine.take(50, last=False) == 50
+    assert machine.take(50, last=True) == 14 and machine.phase is RelayPhase.waiting  # RLD's last tokens fall past the cap
+    assert machine.take(5, last=False) == 0
+    assert machine.md_step_done() is HandoffStep.final  # no catch-up once the relay stopped
+
+
+def test_the_relay_machine_ends_on_the_relay_when_rld_finishes_first():
+    machine = RelayMachine.start(HandoffConfig(mode=HandoffMode.one_shot, relay_cap_tokens=64, min_relay_cap_tokens=64), rld_load=0.0)
+    assert machine.take(30, last=True) == 30 and machine.phase is RelayPhase.relay_finished
+
+
+def test_an_md_that_fails_leaves_the_relay_uncapped_or_the_final_step_to_another_decoder():
+    relaying = RelayMachine.start(HandoffConfig(relay_cap_tokens=64, min_relay_cap_tokens=64), rld_load=0.0)
+    relaying.md_failed(max_tokens=500)
+    assert relaying.take(400, last=False) == 400 and relaying.phase is RelayPhase.relaying
+    stopped = RelayMachine.start(HandoffConfig(relay_cap_tokens=8, min_relay_cap_tokens=8), rld_load=0.0)
+    stopped.take(8, last=False)
+    stopped.md_failed(max_tokens=500)
+    assert stopped.phase is RelayPhase.handed_over

@@ -311,15 +311,16 @@ def test_a_next_turn_waits_for_main_decode_to_finish_the_last_one_rather_than_pu
 
 
 def test_catch_up_rounds_go_through_policy(monkeypatch):
+    """The twin's relay runs the conductor's RelayMachine, which asks policy for each step."""
     steps = []
-    real = app.sim.pdd.next_handoff_step
+    real = app.policy.next_handoff_step
 
     def spy(pending, rounds, mode, handoff):
         step = real(pending, rounds, mode, handoff)
         steps.append((pending, rounds, mode.value, step.value))
         return step
 
-    monkeypatch.setattr(app.sim.pdd, "next_handoff_step", spy)
+    monkeypatch.setattr(app.policy, "next_handoff_step", spy)
     config = tiny_config(
         "pdd",
         routing={"max_wan_transfer_ms": 1},
@@ -412,7 +413,7 @@ def test_workload_generator_is_seeded():
 
 
 def test_twin_calls_the_policy_module_itself():
-    for name in ("choose_pipeline", "blocks_missing", "next_handoff_step", "relay_cap", "resolve_handoff_mode"):
+    for name in ("choose_pipeline", "blocks_missing", "RelayMachine"):
         assert getattr(app.sim.pdd, name) is getattr(app.policy, name)
     assert app.sim.twin.blocks_missing is app.policy.blocks_missing
 
