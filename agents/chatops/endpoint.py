@@ -22,7 +22,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from app.api.extensions import ChatOpsRequest
-from app.api.openai_api import APIError
+from app.api.openai_requests import APIError
 from app.config import PDDConfig
 
 logger = logging.getLogger(__name__)

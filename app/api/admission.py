@@ -8,7 +8,7 @@ from collections import Counter
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from app.api.openai_api import APIError
+from app.api.openai_requests import APIError
 
 
 class ApiKeys:

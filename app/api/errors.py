@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api.openai_api import APIError, ErrorResponse
+from app.api.openai_requests import APIError, ErrorResponse
 from app.conductor.engine_client import NoReplicaError
 from app.conductor.generation import EngineError, RequestTimeout
 from app.engine.token_channel import ChannelClosed

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.openai_api import APIError
+from app.api.openai_requests import APIError
 from app.config import PDDConfig
 
 COMMANDS = "pdd_serve.commands"

@@ -23,15 +23,13 @@ from ray.serve.handle import DeploymentHandle
 from app.api.admission import Admission, ApiKeys, SeatedStream, Seats
 from app.api.errors import ERROR_RESPONSES, install_error_handlers
 from app.api.extensions import ChatOps, ChatOpsRequest, chat_ops
-from app.api.openai_api import (
-    APIError,
+from app.api.openai_requests import APIError, ChatCompletionRequest, CompletionRequest
+from app.api.openai_responses import (
     ChatCompletion,
-    ChatCompletionRequest,
     ChatRenderer,
     Choice,
     Completion,
     CompletionRenderer,
-    CompletionRequest,
     Echo,
     ModelCard,
     ModelList,

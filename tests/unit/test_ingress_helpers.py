@@ -6,7 +6,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from app.api.admission import Admission, ApiKeys, SeatedStream
 from app.api.errors import most_telling, param_path
-from app.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from app.api.openai_requests import APIError, ChatCompletionRequest, CompletionRequest
 from app.api.streams import all_of, merge_streams
 
 

@@ -1,10 +1,11 @@
-"""app/api/openai_api.py: how log probabilities are asked for and rendered (OpenAI's shapes)."""
+"""app/api/openai_requests.py and openai_responses.py: how log probabilities are asked for and rendered (OpenAI's shapes)."""
 
 import json
 
 import pytest
 
-from app.api.openai_api import APIError, ChatCompletionRequest, ChatRenderer, Choice, CompletionRenderer, CompletionRequest, Echo, Usage
+from app.api.openai_requests import APIError, ChatCompletionRequest, CompletionRequest
+from app.api.openai_responses import ChatRenderer, Choice, CompletionRenderer, Echo, Usage
 from app.engine.token_channel import TokenLogprob
 
 TEXT = {7: "He", 8: "llo", 9: " wor", 10: "ld", 11: "é"}

@@ -1,0 +1,217 @@
+"""OpenAI-compatible requests and error bodies.
+
+Requests are validated here, so a bad field becomes a 400 naming it, in
+OpenAI's error shape, before anything reaches an engine. Unknown fields are
+rejected, as OpenAI does ("Unrecognized request argument supplied"). Known
+OpenAI fields this server does not serve (tools, best_of, ...) are accepted at
+the value that asks for nothing, which SDKs send by default, and refused with
+OpenAI's `unsupported_parameter` / `unsupported_value` codes otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from app.config import Mode
+
+
+class APIError(Exception):
+    """An error the client caused (or a known server condition), with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+def _unsupported(why: str, *neutral: Any) -> Any:
+    """A known OpenAI field this server does not serve: accepted at a value that asks
+    for nothing (null, or what SDKs send by default), refused with the reason otherwise."""
+    accepted = (None, *neutral)
+
+    def check(given):
+        # by type too: 0 == False and 1 == True would let a different request through
+        if not any(type(given) is type(v) and given == v for v in accepted):
+            shown = " or ".join("null" if v is None else json.dumps(v) for v in accepted)
+            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}", {"why": why, "shown": shown})
+        return given
+
+    return Annotated[Any, AfterValidator(check), Field(description=f"Not supported ({why})", json_schema_extra={"enum": list(accepted)})]
+
+
+_TEXT_ONLY = "this server returns plain text"
+
+
+_PENALTY = Annotated[float, Field(ge=-2, le=2, description="Counts every output token, whichever engine sampled it")]
+
+LogitBias = Annotated[
+    # keys as JSON has them (strings), so the published schema says which are valid
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+    Field(
+        max_length=300,
+        json_schema_extra={"additionalProperties": False},
+        description="Token id -> a bias (-100..100) added to its logit on every engine the request crosses; up to 300 tokens, as OpenAI",
+    ),
+]
+
+StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(description="Up to 4 stop strings")]
+
+
+class _SamplingFields(_Request):
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, description="Choices per prompt; each is one engine request (seeds: seed + choice)")] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    seed: Annotated[int, Field(ge=-(2**53), le=2**53, description="Within +-2^53: integers JSON carries exactly")] | None = None
+    user: str | None = None
+    presence_penalty: _PENALTY | None = None
+    frequency_penalty: _PENALTY | None = None
+    ignore_eos: bool | None = Field(default=None, description="Extension: keep generating past EOS (benchmarks)")
+    return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
+    pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
+    logit_bias: LogitBias | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id and the like carry no meaning here
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # else the union reports its first branch: "Input should be a valid string"
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise PydanticCustomError("unsupported_value", "only text parts are supported (a text-only model), got a {kind} part", {"kind": repr(kind)})
+        return content
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = Field(default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases)")
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, description="With logprobs: the most likely tokens at each place")
+    tools: _unsupported(_TEXT_ONLY, []) = None
+    tool_choice: _unsupported(_TEXT_ONLY, "none") = None
+    parallel_tool_calls: _unsupported(_TEXT_ONLY, True, False) = None
+    functions: _unsupported(_TEXT_ONLY, []) = None
+    function_call: _unsupported(_TEXT_ONLY, "none") = None
+    response_format: _unsupported(_TEXT_ONLY, {"type": "text"}) = None
+    modalities: _unsupported(_TEXT_ONLY, ["text"]) = None
+    audio: _unsupported(_TEXT_ONLY) = None
+    web_search_options: _unsupported("no web search") = None
+    prediction: _unsupported("no predicted outputs") = None
+    moderation: _unsupported("no moderation") = None
+    reasoning_effort: _unsupported("not a reasoning model") = None
+    verbosity: _unsupported("not a reasoning model") = None
+    store: _unsupported("completions are not stored", False) = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(default=None, description="Accepted for clients that tag requests; not stored")
+    service_tier: _unsupported("one service tier", "auto", "default") = None
+    prompt_cache_key: str | None = Field(default=None, description="Accepted; routing finds cached prefixes from the prompt itself")
+    prompt_cache_retention: _unsupported("cached prefixes live while engines keep them", "in_memory") = None
+    prompt_cache_options: _unsupported("cached prefixes live while engines keep them") = None
+    safety_identifier: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per output token, or None for no log probabilities."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="One prompt (text or token ids) or a batch of them; choice i*n+j is prompt i's choice j")
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        default=16, description="Tokens to generate; 0 only with echo: the prompt is repeated (and scored, with logprobs), nothing generated"
+    )
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
+        default=None,
+        description="Each output token's log probability (the model's, before sampling's penalties and biases) and this many most likely tokens at its place",
+    )
+    echo: bool | None = Field(
+        default=None,
+        description="Repeat the prompt before the completion; with logprobs, its tokens' log probabilities too "
+        "(the first token's are null: nothing comes before it)",
+    )
+    best_of: _unsupported("choices are not ranked", 1) = None
+    suffix: _unsupported("no insertion", "") = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is for scoring a prompt with echo: true", param="max_tokens")
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per output token, or None for no log probabilities."""
+        return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token (echo with logprobs), or None."""
+        return self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch, a single prompt as a batch of one."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
