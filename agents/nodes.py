@@ -13,13 +13,14 @@ from typing import Any
 from langgraph.types import Command, interrupt
 
 from agents.actuate import ActuationError, Actuator
-from agents.diagnose import Evidence, diagnose
+from agents.diagnose import diagnose
 from agents.figures import slo_figures
 from agents.guard import block_rolled_back, direction, guard
 from agents.knobs import Change, is_notice, is_replicas, kind_of, role_of, with_knobs
 from agents.memory import Filed, Growth, Memory, Unit, growth_key, record_history
 from agents.proposal import Proposal
 from agents.router import hand_to
+from agents.situations import Evidence
 from agents.specialists import ALL, CLERK, PROPOSERS
 from agents.specialists.base import View
 from agents.tick import (

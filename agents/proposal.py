@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from agents.diagnose import Evidence
 from agents.knobs import Change
+from agents.situations import Evidence
 
 
 class Proposal(BaseModel):

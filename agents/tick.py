@@ -13,11 +13,11 @@ from typing import Annotated, TypedDict
 from langgraph.store.base import BaseStore
 
 from agents.actuate import Actuator
-from agents.diagnose import Situation
 from agents.entries import EntrySink
 from agents.memory import MemoryBackend
 from agents.proposal import Decision
 from agents.router import Router
+from agents.situations import Situation
 from agents.whatif import WhatIf
 from app.config import AgentMode, AgentsConfig, PDDConfig
 from app.telemetry.snapshot import Source

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.actuate import DryRunActuator
-from agents.diagnose import Situation
 from agents.entries import NoEntries
 from agents.figures import deployment
 from agents.graph import Deps, build_graph, new_tick_id
@@ -26,6 +25,7 @@ from agents.knobs import Change
 from agents.memory import InMemoryBackend, Memory
 from agents.proposal import Decision
 from agents.router import Router, RuleRouter
+from agents.situations import Situation
 from agents.verify import Verdict
 from agents.whatif import WhatIf
 from app.config import MODE_ROLES, AgentMode, LiveKnobs, Mode, PDDConfig, RoleName
@@ -175,102 +175,158 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
     - intra-datacenter pulls, RLD's prefix hit and KV leases are not in the
       records: those figures stay unset, as for a query without data.
     """
-    fleet = run.config
     slo = config.slo
-    q = slo.percentile
     window = float(window_s if window_s is not None else slo.window_s)
-    records = run.records()
-    end = end_s if end_s is not None else max((r.arrival_s for r in records), default=0.0)
-    records = [r for r in records if end - window <= r.arrival_s <= end]
-    span = max(min(window, end - min((r.arrival_s for r in records), default=end)), 1e-9)
-
-    def col(name: str) -> np.ndarray:
-        return np.array([getattr(r, name) for r in records], dtype=float)
-
-    pipes = np.array([r.pipeline.value for r in records], dtype=object)
-    finisher = np.array([_FINISHER[r.pipeline].value if r.pipeline in _FINISHER else "" for r in records], dtype=object)
-    ttft, tpot, gap = col("ttft_s"), col("tpot_s"), col("max_gap_s")
-    prompt, output = col("prompt_tokens"), col("output_tokens")
-    p_hit, d_hit, relay, wan = col("prefill_hit_tokens"), col("decode_hit_tokens"), col("relay_tokens"), col("wan_bytes")
-    gap = np.where(output > 1, gap, np.nan)  # one-token answers have no gap (record_journey skips them)
-    steady_tpot = np.nan_to_num(tpot)
-    with_p = pipes != Pipeline.colocated.value
-    relayed = np.isin(pipes, _RELAYED)
-    roles = MODE_ROLES[fleet.mode]
-
-    hits: dict[str, float] = {}
-    if prompt[with_p].sum() > 0:
-        hits[RoleName.prefill.value] = float(np.minimum(p_hit, prompt)[with_p].sum() / prompt[with_p].sum())
-    for role in (RoleName.main_decode, RoleName.relay_decode):
-        mine = finisher == role.value
-        if prompt[mine].sum() > 0:
-            hits[role.value] = float(np.minimum(d_hit, prompt)[mine].sum() / prompt[mine].sum())
-    md = finisher == RoleName.main_decode.value
-    md_ratio = np.minimum(d_hit[md], prompt[md]) / np.maximum(prompt[md], 1)
-    md_buckets = {_le(le): float((md_ratio <= le).sum()) / span for le in RATIO_BUCKETS} if md.any() else {}
-    if md.any():
-        md_buckets["+Inf"] = float(md.sum()) / span
-
-    ongoing: dict[str, float] = {}
-    for role in roles:
-        if role is RoleName.prefill:
-            busy = ttft[with_p].sum()
-        elif role is RoleName.relay_decode and fleet.mode is Mode.pdd:
-            busy = (steady_tpot * relay)[relayed].sum()
-        else:
-            busy = (steady_tpot * np.maximum(output - 1, 0))[finisher == role.value].sum()
-        ongoing[deployment(role)] = float(busy) / span
-    replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in roles}
-
-    kv: dict[str, dict[str, float]] = {"mean": {}, "p90": {}, "bytes": {}, "rate": {}, "slowdown": {}}
-    if RoleName.prefill in roles and RoleName.main_decode in roles:
-        src, dst = fleet.datacenter_of(RoleName.prefill), fleet.datacenter_of(RoleName.main_decode)
-        pulled = wan[wan > 0]
-        if src != dst and len(pulled):
-            link = fleet.link(src, dst)
-            bandwidth = link.bytes_per_s
-            rho = min(float(pulled.sum()) / span / bandwidth, _MAX_WAN_UTILISATION)
-            seconds = link.mean_latency_s + pulled / (bandwidth * (1 - rho))
-            label = direction_name(src, dst)
-            kv["mean"][label] = float(seconds.mean())
-            kv["p90"][label] = float(np.percentile(seconds, 90))
-            kv["bytes"][label] = float(pulled.mean())
-            kv["rate"][label] = len(pulled) / span
-            kv["slowdown"][label] = 1.0  # the twin's link is as configured, shared as modelled
-
-    rates = {str(p): float(n) / span for p, n in zip(*np.unique(pipes, return_counts=True))}
+    w = _Window.of(run, window, end_s)
+    fleet, q, span, pipes = run.config, slo.percentile, w.span, w.pipes
+    gap, steady_tpot = w.gap, np.nan_to_num(w.tpot)
+    replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in MODE_ROLES[fleet.mode]}
+    kv = _wan_pulls(w, fleet)
     return Snapshot(
         at=now,
         window_s=window,
-        ttft_p_by_pipeline=_by_pipeline(pipes, ttft, q),
-        ttft_p99_by_pipeline=_by_pipeline(pipes, ttft, 99),
-        ttft_p=_pct(ttft, q),
-        tpot_p_by_pipeline=_by_pipeline(pipes, tpot, q),
-        tpot_p=_pct(tpot, q),
+        ttft_p_by_pipeline=_by_pipeline(pipes, w.ttft, q),
+        ttft_p99_by_pipeline=_by_pipeline(pipes, w.ttft, 99),
+        ttft_p=_pct(w.ttft, q),
+        tpot_p_by_pipeline=_by_pipeline(pipes, w.tpot, q),
+        tpot_p=_pct(w.tpot, q),
         gap_p99_by_pipeline=_by_pipeline(pipes, gap, 99),
         gap_p=_pct(gap, q),
         gap_p99=_pct(gap, 99),
-        request_rate_by_pipeline=rates,
-        prefix_hit_by_role=hits,
-        md_hit_buckets=md_buckets,
+        request_rate_by_pipeline={str(p): float(n) / span for p, n in zip(*np.unique(pipes, return_counts=True))},
+        prefix_hit_by_role=_prefix_hits(w),
+        md_hit_buckets=_md_hit_buckets(w),
         kv_seconds_mean_by_link=kv["mean"],
         kv_seconds_p90_by_link=kv["p90"],
         kv_slowdown_mean_by_link=kv["slowdown"],
         kv_bytes_per_transfer_by_link=kv["bytes"],
         kv_transfer_rate_by_link=kv["rate"],
         kv_failure_rate_by_link={label: 0.0 for label in kv["rate"]},
-        relay_tokens_p90=_pct(relay[relayed], 90),
+        relay_tokens_p90=_pct(w.relay[w.relayed], 90),
         singular_rate=float((pipes == Pipeline.p_rld.value).sum()) / span if fleet.mode is Mode.pdd else None,
         slo_violation_rate_by_slo={
-            "ttft": float((ttft * 1000 > slo.ttft_ms).sum()) / span,
+            "ttft": float((w.ttft * 1000 > slo.ttft_ms).sum()) / span,
             "tpot": float((steady_tpot * 1000 > slo.tpot_ms).sum()) / span,
             "gap": float((np.nan_to_num(gap) * 1000 > slo.max_gap_ms).sum()) / span,
         },
         replicas_healthy_by_deployment=replicas,
         replicas_target_by_deployment=dict(replicas),
-        ongoing_by_deployment=ongoing,
+        ongoing_by_deployment=_ongoing(w, fleet),
         health_check_failures_by_deployment={name: 0.0 for name in replicas},
     )
+
+
+@dataclass
+class _Window:
+    """The twin's records of the requests one window holds, as columns."""
+
+    span: float
+    """Seconds the window's requests were sent over (at most the window)."""
+    pipes: np.ndarray
+    finisher: np.ndarray
+    """The role that produced each request's last token ("" for none)."""
+    ttft: np.ndarray
+    tpot: np.ndarray
+    gap: np.ndarray
+    """Worst gap; NaN for one-token answers, which have none (record_journey skips them)."""
+    prompt: np.ndarray
+    output: np.ndarray
+    p_hit: np.ndarray
+    d_hit: np.ndarray
+    relay: np.ndarray
+    wan: np.ndarray
+
+    @classmethod
+    def of(cls, run: SimRun, window: float, end_s: float | None) -> _Window:
+        records = run.records()
+        end = end_s if end_s is not None else max((r.arrival_s for r in records), default=0.0)
+        records = [r for r in records if end - window <= r.arrival_s <= end]
+
+        def col(name: str) -> np.ndarray:
+            return np.array([getattr(r, name) for r in records], dtype=float)
+
+        output = col("output_tokens")
+        return cls(
+            span=max(min(window, end - min((r.arrival_s for r in records), default=end)), 1e-9),
+            pipes=np.array([r.pipeline.value for r in records], dtype=object),
+            finisher=np.array([_FINISHER[r.pipeline].value if r.pipeline in _FINISHER else "" for r in records], dtype=object),
+            ttft=col("ttft_s"),
+            tpot=col("tpot_s"),
+            gap=np.where(output > 1, col("max_gap_s"), np.nan),
+            prompt=col("prompt_tokens"),
+            output=output,
+            p_hit=col("prefill_hit_tokens"),
+            d_hit=col("decode_hit_tokens"),
+            relay=col("relay_tokens"),
+            wan=col("wan_bytes"),
+        )
+
+    @property
+    def with_p(self) -> np.ndarray:
+        return self.pipes != Pipeline.colocated.value
+
+    @property
+    def relayed(self) -> np.ndarray:
+        return np.isin(self.pipes, _RELAYED)
+
+
+def _prefix_hits(w: _Window) -> dict[str, float]:
+    """Cached prompt tokens / prompt tokens: P's over requests it prefilled, a decoder's over those it finished."""
+    hits: dict[str, float] = {}
+    if w.prompt[w.with_p].sum() > 0:
+        hits[RoleName.prefill.value] = float(np.minimum(w.p_hit, w.prompt)[w.with_p].sum() / w.prompt[w.with_p].sum())
+    for role in (RoleName.main_decode, RoleName.relay_decode):
+        mine = w.finisher == role.value
+        if w.prompt[mine].sum() > 0:
+            hits[role.value] = float(np.minimum(w.d_hit, w.prompt)[mine].sum() / w.prompt[mine].sum())
+    return hits
+
+
+def _md_hit_buckets(w: _Window) -> dict[str, float]:
+    """MD's prefix-hit ratios as the histogram's cumulative bucket rates."""
+    md = w.finisher == RoleName.main_decode.value
+    if not md.any():
+        return {}
+    ratio = np.minimum(w.d_hit[md], w.prompt[md]) / np.maximum(w.prompt[md], 1)
+    return {**{_le(le): float((ratio <= le).sum()) / w.span for le in RATIO_BUCKETS}, "+Inf": float(md.sum()) / w.span}
+
+
+def _ongoing(w: _Window, fleet: PDDConfig) -> dict[str, float]:
+    """Requests in progress per deployment, by Little's law: P holds a request from arrival to
+    first token, RLD for its relay tokens, the finishing decoder from first to last token."""
+    steady_tpot = np.nan_to_num(w.tpot)
+    ongoing: dict[str, float] = {}
+    for role in MODE_ROLES[fleet.mode]:
+        if role is RoleName.prefill:
+            busy = w.ttft[w.with_p].sum()
+        elif role is RoleName.relay_decode and fleet.mode is Mode.pdd:
+            busy = (steady_tpot * w.relay)[w.relayed].sum()
+        else:
+            busy = (steady_tpot * np.maximum(w.output - 1, 0))[w.finisher == role.value].sum()
+        ongoing[deployment(role)] = float(busy) / w.span
+    return ongoing
+
+
+def _wan_pulls(w: _Window, fleet: PDDConfig) -> dict[str, dict[str, float]]:
+    """Seconds, bytes and rate of the WAN's pulls by the link model at the window's utilisation."""
+    kv: dict[str, dict[str, float]] = {"mean": {}, "p90": {}, "bytes": {}, "rate": {}, "slowdown": {}}
+    roles = MODE_ROLES[fleet.mode]
+    if RoleName.prefill not in roles or RoleName.main_decode not in roles:
+        return kv
+    src, dst = fleet.datacenter_of(RoleName.prefill), fleet.datacenter_of(RoleName.main_decode)
+    pulled = w.wan[w.wan > 0]
+    if src == dst or not len(pulled):
+        return kv
+    link = fleet.link(src, dst)
+    rho = min(float(pulled.sum()) / w.span / link.bytes_per_s, _MAX_WAN_UTILISATION)
+    seconds = link.mean_latency_s + pulled / (link.bytes_per_s * (1 - rho))
+    label = direction_name(src, dst)
+    kv["mean"][label] = float(seconds.mean())
+    kv["p90"][label] = float(np.percentile(seconds, 90))
+    kv["bytes"][label] = float(pulled.mean())
+    kv["rate"][label] = len(pulled) / w.span
+    kv["slowdown"][label] = 1.0  # the twin's link is as configured, shared as modelled
+    return kv
 
 
 class TwinWhatIf:

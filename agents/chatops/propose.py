@@ -27,7 +27,6 @@ from agents.actuate import DryRunActuator
 from agents.chatops import intent
 from agents.chatops.evidence import clip
 from agents.chatops.records import resolve_dir
-from agents.diagnose import Evidence
 from agents.entries import FileEntries
 from agents.graph import new_tick_id
 from agents.guard import current_value, guard
@@ -35,6 +34,7 @@ from agents.knobs import CHOICE_KNOBS, INTEGER_KNOBS, Change, is_replicas, kind_
 from agents.proposal import Proposal
 from agents.router import RuleRouter
 from agents.runner import Swarm
+from agents.situations import Evidence
 from app.config import AgentMode, LiveKnobs, PDDConfig
 from app.telemetry.snapshot import StaticSource
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.diagnose import Evidence, Situation
 from agents.knobs import Change, get_knob, knob_bounds
 from agents.memory import Memory
 from agents.proposal import Proposal
+from agents.situations import Evidence, Situation
 from agents.whatif import WhatIf
 from app.config import AgentsConfig, KnobBounds, LiveKnobs, PDDConfig
 from app.telemetry.snapshot import Snapshot

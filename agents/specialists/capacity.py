@@ -39,7 +39,9 @@ from __future__ import annotations
 
 from agents import figures as f
 from agents.controllers import fleet_cost
-from agents.diagnose import (
+from agents.knobs import notice_target, replica_target
+from agents.proposal import Proposal
+from agents.situations import (
     BATHTUB_VALLEY,
     IDLE_LOAD,
     MD_HIT_BEHIND,
@@ -53,8 +55,6 @@ from agents.diagnose import (
     Evidence,
     Situation,
 )
-from agents.knobs import notice_target, replica_target
-from agents.proposal import Proposal
 from agents.specialists.base import View
 from agents.specialists.routing import MIN_HIT, SINGULAR_SHARE_MIN
 from agents.whatif import predict

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from agents import figures as f
 from agents.controllers import lower_by_step, relay_cap_goal, step_toward
-from agents.diagnose import RLD_OVERLOAD, WAN_DEGRADATION, Evidence, Situation
 from agents.proposal import Proposal
+from agents.situations import RLD_OVERLOAD, WAN_DEGRADATION, Evidence, Situation
 from agents.specialists.base import View
 from app.config import HandoffMode
 

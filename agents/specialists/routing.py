@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from agents import figures as f
 from agents.controllers import raise_by_step, step_toward, wan_threshold_goal
-from agents.diagnose import BATHTUB_VALLEY, MD_HIT_BEHIND, RLD_OVERLOAD, WAN_DEGRADATION, WAN_SLOWDOWN, Evidence, Situation
 from agents.proposal import Proposal
+from agents.situations import BATHTUB_VALLEY, MD_HIT_BEHIND, RLD_OVERLOAD, WAN_DEGRADATION, WAN_SLOWDOWN, Evidence, Situation
 from agents.specialists.base import View
 
 NAME = "routing"

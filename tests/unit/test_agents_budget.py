@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from agents.controllers import fleet_cost
-from agents.diagnose import Evidence
 from agents.guard import BLOCK_COOLDOWNS, guard
 from agents.knobs import Change
 from agents.memory import Block, Memory
 from agents.proposal import Proposal
+from agents.situations import Evidence
 from agents.twin import TwinAgent
 from tests.integration.agents_fixtures import healthy_snapshot, pdd_config
 from tests.unit.test_agents_specialists import CASES, propose_all

@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from agents.actuate import DryRunActuator
 from agents.cli import agents_cli
-from agents.diagnose import Evidence
 from agents.entries import FileEntries, read_entry
 from agents.knobs import Change
 from agents.memory import Memory
 from agents.proposal import Proposal
 from agents.router import LLMRouter, RuleRouter, tool_name
 from agents.runner import Swarm
+from agents.situations import Evidence
 from agents.twin import TwinAgent, run_tick
 from app.config import AgentMode
 from app.telemetry.snapshot import StaticSource

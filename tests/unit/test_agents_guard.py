@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from agents.diagnose import Evidence
 from agents.guard import guard
 from agents.knobs import Change
 from agents.memory import Block, Growth, Memory, Unit, growth_key
 from agents.proposal import Proposal
+from agents.situations import Evidence
 from tests.integration.agents_fixtures import pdd_config
 
 NOW = 10_000.0

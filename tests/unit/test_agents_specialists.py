@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from agents import figures as f
-from agents.diagnose import SITUATIONS, diagnose
+from agents.diagnose import diagnose
 from agents.memory import Memory
+from agents.situations import SITUATIONS
 from agents.specialists import ALL, PROPOSERS
 from agents.specialists.base import View
 from app.config import LiveKnobs
