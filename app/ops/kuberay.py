@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from app.config import PDDConfig
 from app.config.file import load_config
 from app.ops.cluster import CLUSTER_ENV, DATACENTER_LABEL
 
@@ -57,6 +58,25 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
     doc = yaml.safe_load(serve_config_path.read_text())
     config = load_config(serve_config_path)
     serve_config = {k: v for k, v in doc.items() if k in ("proxy_location", "http_options", "applications")}
+    ray_service = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": name},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": False,
+                "headGroupSpec": _head_group(image, (doc.get("http_options") or {}).get("port", 8000)),
+                "workerGroupSpecs": _worker_groups(config, image),
+            },
+        },
+    }
+    return [ray_service, *_agents(doc, image, name, prometheus_url)]
+
+
+def _worker_groups(config: PDDConfig, image: str) -> list[dict[str, Any]]:
+    """One worker group per node group, in its datacenter's zone, sized for its roles' replicas."""
     workers = []
     for group_name, group in config.node_groups.items():
         gpus_needed = sum(rc.replicas * group.num_gpus for rc in config.roles.present().values() if rc.node_group == group_name)
@@ -82,28 +102,21 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
                 "template": _pod_template(_container("ray-worker", image, per_pod, 32, "1000Gi"), selector),
             }
         )
+    return workers
+
+
+def _head_group(image: str, http_port: int) -> dict[str, Any]:
     head_params = {"dashboard-host": "0.0.0.0", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
     head = _container("ray-head", image, 0, 8, "32Gi")
     # the serve service sends traffic to the head's proxy (proxy_location HeadOnly) only while the
     # app can serve: /health answers while every engine is still starting, /ready does not
-    http_port = (doc.get("http_options") or {}).get("port", 8000)
     head["ports"].append({"containerPort": http_port, "name": "serve"})
     head["readinessProbe"] = {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3}
-    ray_service = {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayService",
-        "metadata": {"name": name},
-        "spec": {
-            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
-            "rayClusterConfig": {
-                "rayVersion": RAY_VERSION,
-                "enableInTreeAutoscaling": False,
-                "headGroupSpec": {"rayStartParams": head_params, "template": _pod_template(head, {})},
-                "workerGroupSpecs": workers,
-            },
-        },
-    }
-    # the agents reach the dashboard and Prometheus through in-cluster services
+    return {"rayStartParams": head_params, "template": _pod_template(head, {})}
+
+
+def _agents(doc: dict[str, Any], image: str, name: str, prometheus_url: str) -> list[dict[str, Any]]:
+    """The agents' Deployment and the config it reads, which points at in-cluster services."""
     agents_doc = copy.deepcopy(doc)
     agents_args = agents_doc["applications"][0]["args"].setdefault("agents", {})
     agents_args.update(dashboard_url=f"http://{name}-head-svc:8265", prometheus_url=prometheus_url)
@@ -112,6 +125,13 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
         "kind": "ConfigMap",
         "metadata": {"name": f"{name}-config"},
         "data": {"serve.yaml": yaml.safe_dump(agents_doc, sort_keys=False)},
+    }
+    container = {
+        "name": "agents",
+        "image": image,
+        "command": ["pdd", "agents", "run", "--config", "/etc/pdd/serve.yaml"],
+        "env": [{"name": "RAY_AUTH_MODE", "value": "token"}],
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/pdd"}],
     }
     agents = {
         "apiVersion": "apps/v1",
@@ -122,22 +142,11 @@ def manifest(serve_config_path: Path, image: str, name: str = "pdd-serve", prome
             "selector": {"matchLabels": {"app": f"{name}-agents"}},
             "template": {
                 "metadata": {"labels": {"app": f"{name}-agents"}},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "agents",
-                            "image": image,
-                            "command": ["pdd", "agents", "run", "--config", "/etc/pdd/serve.yaml"],
-                            "env": [{"name": "RAY_AUTH_MODE", "value": "token"}],
-                            "volumeMounts": [{"name": "config", "mountPath": "/etc/pdd"}],
-                        }
-                    ],
-                    "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
-                },
+                "spec": {"containers": [container], "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}]},
             },
         },
     }
-    return [ray_service, config_map, agents]
+    return [config_map, agents]
 
 
 class _Dumper(yaml.SafeDumper):
