@@ -20,7 +20,9 @@ of the role requests enter by.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 from pydantic import ValidationError
@@ -132,13 +134,7 @@ def sim(
             config = derive(config, mode=mode)
         configs = [config] + [derive(config, mode=m) for m in dict.fromkeys(compare) if m is not config.mode]
         template, wl = _workload(workload, rps, requests, seed, config.model.max_model_len)
-        if search and template is None:
-            try:
-                at = trace_at(wl)
-            except ValueError as err:
-                raise ValueError(f"--search replays {workload} faster and slower, but {err}") from None
-        elif search:
-            at = agentic_at(template)
+        at = _replayed_at(workload, template, wl) if search else None
         perf_model = None
         if perf is not None:
             from app.sim.perf import load_perf
@@ -158,57 +154,65 @@ def sim(
     plot_ttft_cdf(cdf, [(label, r.results) for label, r in runs], warmup)
     doc: dict = {"runs": {label: s.as_dict() for label, s in summaries}}
     written = [cdf]
-
-    if search:
-        doc["search"] = {}
-        latest = {c.mode.value: "starting" for c in configs}
-        with console.status("goodput search") as status:
-
-            def note(i: int, probe: tuple[float, float]) -> None:
-                latest[configs[i].mode.value] = f"{probe[0]:.2f} RPS -> SLO attainment {probe[1]:.1%}"
-                status.update("goodput search: " + "; ".join(f"{mode} {text}" for mode, text in latest.items()))
-
-            searches = [(c, at, min(0.5, rps), perf_model, seed, warmup, not cold_start) for c in configs]
-            found_all = run_all(_search, searches, jobs=jobs, on_progress=note)
-        for c, found in zip(configs, found_all):
-            cost = found.summary.cost_per_hour if found.summary else float("nan")
-            console.print(
-                f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
-                f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
-                f"  (BCR {found.rps / cost:.4f} per $/h)"
-            )
-            doc["search"][c.mode.value] = {"rps": found.rps, "probes": found.probes}
-
-    if sweep_hit:
-        if template is None:
-            console.print("[yellow]--sweep-hit needs a generated workload, not a trace[/yellow]")
-        else:
-            base_cfg = derive(config, mode=baseline)
-            with console.status("hit-rate sweep") as status:
-                points = hit_sweep(
-                    config,
-                    base_cfg,
-                    template,
-                    HIT_GRID,
-                    perf=perf_model,
-                    seed=seed,
-                    warmup=warmup,
-                    warm_start=not cold_start,
-                    on_point=lambda p: status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}"),
-                    jobs=jobs,
-                )
-            tub = out / "sim_bathtub.png"
-            plot_bathtub(tub, points, f"{config.mode.value} vs {baseline.value}: 1 - TTFT p90 ratio at {template.rps:g} RPS")
-            written.append(tub)
-            doc["hit_sweep"] = points
-            for p in points:
-                note = "  (SLO missed: queueing dominates)" if p["overloaded"] else ""
-                console.print(f"  hit {p['hit_rate']:>4.0%}: benefit {p['benefit']:+.1%}{note}")
-
+    if at is not None:
+        doc["search"] = _goodput_search(configs, [(c, at, min(0.5, rps), perf_model, seed, warmup, not cold_start) for c in configs], jobs)
+    if sweep_hit and template is None:
+        console.print("[yellow]--sweep-hit needs a generated workload, not a trace[/yellow]")
+    elif sweep_hit:
+        sweep = dict(perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start, jobs=jobs)
+        doc["hit_sweep"] = _sweep_hit(config, derive(config, mode=baseline), template, out / "sim_bathtub.png", sweep)
+        written.append(out / "sim_bathtub.png")
     if json_path is not None:
         json_path.write_text(json.dumps(doc, indent=2, default=float))
         written.append(json_path)
     console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+def _replayed_at(workload: str, template: AgenticWorkload | None, wl: Any) -> Callable[[float], Any]:
+    """The workload at another load, for the goodput search."""
+    if template is not None:
+        return agentic_at(template)
+    try:
+        return trace_at(wl)
+    except ValueError as err:
+        raise ValueError(f"--search replays {workload} faster and slower, but {err}") from None
+
+
+def _goodput_search(configs: list[PDDConfig], searches: list[tuple], jobs: int) -> dict[str, dict]:
+    """Each mode's highest RPS meeting the SLO, printed with its BCR as the searches go."""
+    latest = {c.mode.value: "starting" for c in configs}
+    with console.status("goodput search") as status:
+
+        def note(i: int, probe: tuple[float, float]) -> None:
+            latest[configs[i].mode.value] = f"{probe[0]:.2f} RPS -> SLO attainment {probe[1]:.1%}"
+            status.update("goodput search: " + "; ".join(f"{mode} {text}" for mode, text in latest.items()))
+
+        found_all = run_all(_search, searches, jobs=jobs, on_progress=note)
+    found_by_mode = {}
+    for c, found in zip(configs, found_all):
+        cost = found.summary.cost_per_hour if found.summary else float("nan")
+        console.print(
+            f"{c.mode.value}: highest RPS meeting the SLO (p{c.slo.percentile:g}: TTFT <= {c.slo.ttft_ms:g} ms, "
+            f"TPOT <= {c.slo.tpot_ms:g} ms, gap <= {c.slo.max_gap_ms:g} ms): [bold]{found.rps:.2f}[/bold]"
+            f"  (BCR {found.rps / cost:.4f} per $/h)"
+        )
+        found_by_mode[c.mode.value] = {"rps": found.rps, "probes": found.probes}
+    return found_by_mode
+
+
+def _sweep_hit(config: PDDConfig, base_cfg: PDDConfig, template: AgenticWorkload, plot: Path, sweep: dict[str, Any]) -> list[dict]:
+    """The benefit over the baseline across hit rates (the bathtub), plotted and printed."""
+    with console.status("hit-rate sweep") as status:
+
+        def on_point(p: dict) -> None:
+            status.update(f"hit-rate sweep: {p['hit_rate']:.0%} -> benefit {p['benefit']:+.1%}")
+
+        points = hit_sweep(config, base_cfg, template, HIT_GRID, on_point=on_point, **sweep)
+    plot_bathtub(plot, points, f"{config.mode.value} vs {base_cfg.mode.value}: 1 - TTFT p90 ratio at {template.rps:g} RPS")
+    for p in points:
+        note = "  (SLO missed: queueing dominates)" if p["overloaded"] else ""
+        console.print(f"  hit {p['hit_rate']:>4.0%}: benefit {p['benefit']:+.1%}{note}")
+    return points
 
 
 cli.command("sim")(sim)
@@ -237,63 +241,16 @@ def calibrate(
 
     Alone: measure prefill, prefill after a cached prefix, and decode. With --from-app: fit that model per role to the steps the app's engines timed while serving (and how busy engines on one host slow each other), and add its journeys' serving overhead, decoder request overhead and KV transport cost.
     """
-    from app.sim.calibrate import app_journeys
-    from app.sim.calibrate import calibrate as fit
-    from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull, with_serving_overhead
-    from app.sim.perf import load_perf, roles_to_json, save_samples
+    from app.sim.perf import save_samples
 
     try:
         config = load_config(config_path)
         if from_app is not None:
             out = out or base.with_name("fitted_perf_app.json")
-            if not any(rc.engine.record_steps for rc in config.roles.present().values()):
-                raise ValueError("no role of the config has engine.record_steps: set it (and redeploy) so the engines time their steps")
-            if not base.exists():
-                raise ValueError(f"--base {base} is missing: measure an engine alone first (`pdd calibrate {config_path}`)")
-            base_model = load_perf(base)
-            if not isinstance(base_model, FittedPerf):
-                raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
-            fits, samples = _fit_from_app(base_model, from_app, address)
-            journeys = app_journeys(url)
-            overheads, pulls = serving_overheads(journeys, config.mode), kv_pulls(journeys, config)
-            models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
-            models = with_kv_pull(models, config.mode, pulls)
-            decoder_overheads = decoder_request_overheads(journeys, config.mode)
-            models = with_decoder_overhead(models, config.mode, decoder_overheads)
-            text = roles_to_json(models)
-            summary = "\n".join(
-                f"{role}: {len(samples[role])} timed steps, {fit.describe()}"
-                if fit.factor is not None
-                else f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
-                for role, fit in fits.items()
-            )
-            entry = entry_role(config.mode).value
-            summary += (
-                f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request + "
-                f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
-                f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model"
-                if overheads
-                else f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]"
-            )
-            if pulls:
-                summary += (
-                    f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
-                    f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model"
-                )
-            if decoder_overheads:
-                summary += (
-                    f"\ndecoder request overhead: {models[entry].decoder_request_overhead_ms:.1f} ms (median of "
-                    f"{len(decoder_overheads)} decoder requests), on {entry}'s model"
-                )
-            samples = [s for samples_of in samples.values() for s in samples_of]
+            text, summary, samples = _calibrate_from_app(config, config_path, base, from_app, address, url)
         else:
             out = out or Path("bench/out/fitted_perf.json")
-            from app.ops.progress import steps
-            from app.sim.calibrate import DECODE_SHAPES, PREFILL_TOKENS, PREFIX_SHAPES
-
-            with steps(console, "calibrating", 1 + len(PREFILL_TOKENS) + len(PREFIX_SHAPES) + len(DECODE_SHAPES)) as step:
-                perf, samples = fit(config, role, progress=lambda msg: step(msg, f"  {msg}"))
-            text, summary = perf.to_json(), f"{len(samples)} steps measured: {perf.describe()}"
+            text, summary, samples = _calibrate_alone(config, role)
     except (ConfigError, ValueError, KeyError, OSError, ConnectionError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -303,6 +260,65 @@ def calibrate(
         save_samples(samples_path, samples)
     console.print(summary)
     console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
+
+
+def _calibrate_alone(config: PDDConfig, role: RoleName) -> tuple[str, str, list]:
+    """One engine of `role` measured alone: the model's JSON, a summary, the steps measured."""
+    from app.ops.progress import steps
+    from app.sim.calibrate import DECODE_SHAPES, PREFILL_TOKENS, PREFIX_SHAPES
+    from app.sim.calibrate import calibrate as fit
+
+    with steps(console, "calibrating", 1 + len(PREFILL_TOKENS) + len(PREFIX_SHAPES) + len(DECODE_SHAPES)) as step:
+        perf, samples = fit(config, role, progress=lambda msg: step(msg, f"  {msg}"))
+    return perf.to_json(), f"{len(samples)} steps measured: {perf.describe()}", samples
+
+
+def _calibrate_from_app(config: PDDConfig, config_path: Path, base: Path, app_name: str, address: str | None, url: str) -> tuple[str, str, list]:
+    """`base` fitted per role to a running app's timed steps, plus its journeys' serving overhead,
+    KV pull cost and decoder request overhead: the models' JSON, a summary, the steps used."""
+    from app.sim.calibrate import app_journeys
+    from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overheads, with_decoder_overhead, with_kv_pull, with_serving_overhead
+    from app.sim.perf import load_perf, roles_to_json
+
+    if not any(rc.engine.record_steps for rc in config.roles.present().values()):
+        raise ValueError("no role of the config has engine.record_steps: set it (and redeploy) so the engines time their steps")
+    if not base.exists():
+        raise ValueError(f"--base {base} is missing: measure an engine alone first (`pdd calibrate {config_path}`)")
+    base_model = load_perf(base)
+    if not isinstance(base_model, FittedPerf):
+        raise ValueError(f"--base {base}: one model of an engine alone is needed, not one per role")
+    fits, samples = _fit_from_app(base_model, app_name, address)
+    journeys = app_journeys(url)
+    overheads, pulls = serving_overheads(journeys, config.mode), kv_pulls(journeys, config)
+    models = with_serving_overhead({role: fit.model for role, fit in fits.items()}, config.mode, overheads)
+    models = with_kv_pull(models, config.mode, pulls)
+    decoder_overheads = decoder_request_overheads(journeys, config.mode)
+    models = with_decoder_overhead(models, config.mode, decoder_overheads)
+    summary = "\n".join(
+        f"{role}: {len(samples[role])} timed steps, {fit.describe()}"
+        if fit.factor is not None
+        else f"[yellow]{role}: only {len(samples[role])} timed steps: kept at the engine alone's model (send more traffic and run again)[/yellow]"
+        for role, fit in fits.items()
+    )
+    entry = entry_role(config.mode).value
+    summary += (
+        f"\nserving overhead: {models[entry].serving_overhead_ms:.1f} ms a request + "
+        f"{models[entry].serving_overhead_ms_per_in_flight:.1f} ms per other request in flight (fitted to {len(overheads)} "
+        f"{config.mode.value} requests' TTFT outside the engines' cores), on {entry}'s model"
+        if overheads
+        else f"\n[yellow]no {config.mode.value} request in {url}/pdd/requests: no serving overhead (send traffic and run again)[/yellow]"
+    )
+    if pulls:
+        summary += (
+            f"\nKV pulls: {models[entry].kv_pull_ms:.1f} ms + {models[entry].kv_pull_ms_per_mb:.2f} ms/MB beyond the link "
+            f"(fitted to {len(pulls)} pulls inside a datacenter), on {entry}'s model"
+        )
+    if decoder_overheads:
+        summary += (
+            f"\ndecoder request overhead: {models[entry].decoder_request_overhead_ms:.1f} ms (median of "
+            f"{len(decoder_overheads)} decoder requests), on {entry}'s model"
+        )
+    return roles_to_json(models), summary, [s for samples_of in samples.values() for s in samples_of]
 
 
 def _fit_from_app(base: FittedPerf, app_name: str, address: str | None):
