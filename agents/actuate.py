@@ -28,6 +28,7 @@ import httpx
 
 from agents.figures import deployment
 from app.config import LiveKnobs, RoleName
+from app.ray_private import dashboard_auth_headers
 
 #: The ingress deployment's name (app/api/ingress.py, `@serve.deployment(name="Conductor")`).
 CONDUCTOR = "Conductor"
@@ -48,13 +49,6 @@ class Actuator(Protocol):
     def scale(self, role: RoleName, replicas: int) -> None: ...
 
 
-def ray_auth_headers() -> dict[str, str]:
-    """The header Ray's dashboard SDK sends; empty when the cluster has auth off."""
-    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
-
-    return dict(get_auth_headers_if_auth_enabled({}))
-
-
 class ServeActuator:
     """The real cluster, through the Ray dashboard's Serve REST API."""
 
@@ -62,7 +56,7 @@ class ServeActuator:
         self.url = dashboard_url.rstrip("/")
         self.app_name = app_name
         self.roles = roles
-        self.headers = ray_auth_headers() if headers is None else headers
+        self.headers = dashboard_auth_headers() if headers is None else headers
         self.confirm_timeout_s = confirm_timeout_s
         self.http = httpx.Client(timeout=30, headers=self.headers)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from app.conductor.prefix_index import PrefixIndex
+from app.ray_private import kv_delete, kv_get, kv_keys, kv_put
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,10 @@ class IndexStore:
     def load(self, block_size: int) -> dict[str, ReplicaSnapshot]:
         """Every saved replica's snapshot of this block size (another block size's blocks
         are not this model's: a config changed in between)."""
-        from ray.experimental import internal_kv
-
         snapshots = {}
-        for key in internal_kv._internal_kv_list(self.prefix, namespace=NAMESPACE):
+        for key in kv_keys(self.prefix, NAMESPACE):
             replica_id = key.decode().removeprefix(self.prefix)
-            data = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            data = kv_get(key, NAMESPACE)
             try:
                 snapshot = _decoder.decode(data) if data is not None else None
             except msgspec.DecodeError:
@@ -70,20 +69,14 @@ class IndexStore:
         return snapshots
 
     def save(self, replica_id: str, snapshot: ReplicaSnapshot) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self.prefix + replica_id, _encoder.encode(snapshot), overwrite=True, namespace=NAMESPACE)
+        kv_put(self.prefix + replica_id, _encoder.encode(snapshot), NAMESPACE)
 
     def delete(self, replica_id: str) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self.prefix + replica_id, namespace=NAMESPACE)
+        kv_delete(self.prefix + replica_id, NAMESPACE)
 
     def clear(self) -> None:
         """Forget every replica (the next conductor starts from an empty index)."""
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self.prefix, del_by_prefix=True, namespace=NAMESPACE)
+        kv_delete(self.prefix, NAMESPACE, by_prefix=True)
 
 
 class IndexKeeper:

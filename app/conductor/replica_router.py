@@ -11,10 +11,12 @@ publishes each deployment's live replica set for the conductor to read.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+
+from app.ray_private import router_deployment_name
 
 # Written by the router's event loop, read by the conductor's: one dict
 # assignment is atomic, and holding a lock here would make the class unpicklable.
@@ -34,7 +36,10 @@ def _target_of(pending_request: PendingRequest | None) -> str | None:
     return target if isinstance(target, str) else None
 
 
-class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
+class AffinityRequestRouter(FIFOMixin, LocalityMixin, RequestRouter):
+    """The named replica when it is alive; otherwise two random ones (nearest first), of
+    which Serve takes the one with the shorter queue (the power of two choices)."""
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -45,7 +50,11 @@ class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        nearest = [rid for rid in self.apply_locality_routing(pending_request) if rid in by_id]
+        if not nearest:
+            return []
+        return [[by_id[rid] for rid in random.sample(nearest, min(2, len(nearest)))]]
 
     def update_replicas(self, replicas: list[Any]) -> None:
         super().update_replicas(replicas)
@@ -53,4 +62,4 @@ class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         # of this module's globals; import the real module to publish where readers look.
         from app.conductor import replica_router
 
-        replica_router._live[self._deployment_id.name] = frozenset(r.replica_id.unique_id for r in replicas)
+        replica_router._live[router_deployment_name(self)] = frozenset(r.replica_id.unique_id for r in replicas)

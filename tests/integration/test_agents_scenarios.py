@@ -23,12 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents.actuate import CONDUCTOR, ActuationError, DryRunActuator, ServeActuator, ray_auth_headers
+from agents.actuate import CONDUCTOR, ActuationError, DryRunActuator, ServeActuator
 from agents.entries import read_entry
 from agents.knobs import get_knob, knob_bounds
 from agents.router import RuleRouter
 from agents.runner import Swarm
 from app.config import LiveKnobs, RoleName
+from app.ray_private import dashboard_auth_headers
 from app.telemetry.metrics import prom_name
 from app.telemetry.prometheus import binary
 from app.telemetry.queries import SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
@@ -200,7 +201,7 @@ def standin(serve_instance):
     import ray
 
     dashboard = "http://" + ray._private.worker.global_worker.node.webui_url
-    headers = ray_auth_headers()
+    headers = dashboard_auth_headers()
     config = {
         "applications": [
             {

@@ -18,7 +18,7 @@ PACKAGES = ("app", "agents")
 TELEMETRY_MAY_IMPORT = {"app.config"}
 #: app/'s layers, lowest first; a module imports only from its own layer or those below.
 LAYERS = (
-    ("app.config",),
+    ("app.config", "app.ray_private"),
     ("app.policy", "app.telemetry"),
     ("app.engine",),
     ("app.conductor",),
