@@ -42,6 +42,7 @@ ENV_SWITCH = "PDD_NATIVE"
 MODULES = (
     "app.policy",
     "app.conductor.prefix_index",
+    "app.sim.baselines",
     "app.sim.cache",
     "app.sim.cluster",
     "app.sim.engine",

@@ -4,7 +4,7 @@ No I/O and no clocks: the conductor (real requests) and the digital twin
 (app/sim) call exactly these functions with the facts they have, so what the
 twin predicts is what the cluster does.
 
-Rules (../shared/PDD.md):
+Rules (docs/design.md):
 - P-MD when what MD lacks crosses the WAN quickly enough (few blocks);
   P-RLD-MD otherwise, so a relay decoder in A masks the transfer.
 - P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter

@@ -4,7 +4,7 @@ DeepSeek-V4-Pro on H100s (P, RLD; datacenter A) and H200s (MD; datacenter B)
 across a 40 Gb/s, 30 ms WAN, on a 64K-context, ~90%-hit agentic workload.
 Every figure comes from serve_configs/gpu_h100_h200.yaml (sources in its
 comments) or from the workload settings printed below; nothing is fitted to
-the paper's results. Our figures stand beside the paper's (../shared/PDD.md);
+the paper's results. Our figures stand beside the paper's (PAPER below);
 the last table checks that every comparison points the same way and shows the
 size of each gap, with the reasons for those that do not.
 
@@ -76,7 +76,7 @@ from bench.common import ROOT, median, write_outputs
 console = Console(width=170)
 CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
 
-#: ../shared/PDD.md, "Reported results (DeepSeek-V4-pro, real agentic trace, 64K context, 90% hit)".
+#: The PDD paper's "Reported results (DeepSeek-V4-pro, real agentic trace, 64K context, 90% hit)".
 PAPER = {
     "intra_rps": 9.0,
     "pdd_rps": 11.5,

@@ -112,7 +112,7 @@ def fetch_journeys(base_url: str, ids: list[str]) -> list[dict]:
 
 
 def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
-    """The agentic mix of ../shared/PDD.md, scaled to contexts this machine serves in seconds."""
+    """The agentic mix of the PDD paper, scaled to contexts this machine serves in seconds."""
     return AgenticWorkload(
         requests=requests,
         rps=rps,

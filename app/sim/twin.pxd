@@ -2,7 +2,7 @@
 
 from app.sim.engine cimport PrefillJob, Seq
 from app.sim.jobs cimport Job
-from app.sim.pdd cimport PDDPipelines
+from app.sim.baselines cimport BaselinePipelines
 
-cdef class Twin(PDDPipelines):
+cdef class Twin(BaselinePipelines):
     pass

@@ -1,14 +1,13 @@
 """The twin's conductor: every request through its mode's pipeline.
 
 Decisions are the real conductor's, made by the same code on the facts the
-twin holds: replicas by app/prefix_index.PrefixIndex (`choose` when routing,
+twin holds: replicas by app/conductor/prefix_index.PrefixIndex (`choose` when routing,
 `route` what was sent where, `unroute` what will not land after all, `observe`
 the hit the engine reports and `record` what a replica now holds; keys are
 synthesised per conversation by app/sim/routing.py), the pipeline by
 `policy.choose_pipeline`, what crosses a link by `policy.blocks_missing`, the
-relay's cap by `policy.relay_cap` and the handoff by
-`policy.resolve_handoff_mode` / `policy.next_handoff_step`. The calls come in
-the conductor's order (app/conductor/conductor.py, app/conductor/relay.py), and the load routing
+relay and its handoff by `policy.RelayMachine`. The calls come in the
+conductor's order (app/conductor/baselines.py, app/conductor/relay.py), and the load routing
 compares is the conductor's: requests it has in flight on each replica
 (`Instance.streams`). What is not a decision is physics: engines
 (app/sim/engine.py) and links (app/sim/network.py).
@@ -41,7 +40,7 @@ It may also carry the KV transport's cost per pull (`kv_pull_ms`,
 and a decoder replica's own time on each request it gets after P's first token
 (`decoder_request_overhead_ms`), which delays that request's pull or extend step.
 
-Pipelines (../shared/PDD.md, ../shared/DESIGN.md):
+Pipelines (docs/design.md; the baselines in app/sim/baselines.py):
 - colocated: main_decode prefills and decodes.
 - pd_intra_dc (P-D): P prefills and streams the first token; relay_decode,
   routed then, pulls the blocks it lacks over the intra-DC link and decodes.
@@ -59,14 +58,15 @@ from collections.abc import Callable, Iterable, Iterator
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
 from app.config import Mode, PDDConfig, RoleName
-from app.policy import ClusterFacts, LinkBacklog, LinkFacts, Pipeline, affinity_room, blocks_missing
+from app.policy import ClusterFacts, LinkBacklog, LinkFacts, affinity_room
+from app.sim.baselines import BaselinePipelines
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
 from app.sim.engine import Instance, PrefillJob, Seq
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.network import PullSlots
 from app.sim.outages import Outage, Outages
-from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD, PDDPipelines
+from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD
 from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
@@ -81,7 +81,7 @@ WARM_ROLES = {
 """Roles whose prefix caches a conversation's later turns reuse, per mode (the warm start's)."""
 
 
-class Twin(PDDPipelines):
+class Twin(BaselinePipelines):
     """One simulation run of a config; `run(requests)` serves them all and returns Results."""
 
     def __init__(
@@ -358,87 +358,3 @@ class Twin(PDDPipelines):
         job.pulls -= 1
         if job.pulls == 0:
             job.p.close(job.pl, job.req.prompt_tokens, job.gen)
-
-    # ---- colocated -------------------------------------------------------------------
-
-    @cython.locals(job=Job)
-    def _colocated(self, job: Job) -> None:
-        job.pipe = Pipeline.colocated
-        req = job.req
-        d, _ = self._route(RoleName.main_decode, job.keys)
-        self._open_decoder(job, d, req.prefix_tokens)
-        job.pl = job.dl  # one engine: one lease
-        self._prefill(job, d, req.prompt_tokens + req.output_tokens, self._colocated_first)
-
-    @cython.locals(pj=PrefillJob, job=Job)
-    def _colocated_first(self, pj: PrefillJob) -> None:
-        job: Job = pj.owner
-        now = self.loop.now
-        req = job.req
-        if self._first_token(job, now):
-            job.d.close(job.dl, req.prompt_tokens, job.gen)
-            self._settle(job)
-            self._finish(job)
-            return
-        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, now, 0.0)
-
-    # ---- classic PD ------------------------------------------------------------------
-
-    @cython.locals(pj=PrefillJob, job=Job)
-    def _pd_first(self, pj: PrefillJob) -> None:
-        job: Job = pj.owner
-        req = job.req
-        job.pipe = Pipeline.p_d
-        self._prefilled(job)
-        if self._first_token(job, self.loop.now):
-            job.p.close(job.pl, req.prompt_tokens, job.gen)
-            self._finish(job)
-            return
-        d, _ = self._route(RoleName.relay_decode, job.keys)
-        self._open_decoder(job, d, req.prefix_tokens)
-        job.pulls = 1
-        self._send(self.intra, d, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._pd_pulled)
-
-    @cython.locals(job=Job)
-    def _pd_pulled(self, job: Job) -> None:
-        self._pull_done(job)
-        req = job.req
-        self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0, pulled=True)
-
-    @cython.locals(pj=PrefillJob, job=Job)
-    def _naive_first(self, pj: PrefillJob) -> None:
-        job: Job = pj.owner
-        req = job.req
-        job.pipe = P_D_NAIVE
-        self._prefilled(job)
-        if req.output_tokens == 1:
-            self._first_token(job, self.loop.now)
-            job.p.close(job.pl, req.prompt_tokens, job.gen)
-            self._finish(job)
-            return
-        d, _ = self._route(RoleName.main_decode, job.keys)
-        self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
-        self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
-        job.pulls = 1
-        self._send(self.wan, d, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
-
-    @cython.locals(job=Job)
-    def _naive_pulled(self, job: Job) -> None:
-        self._pull_done(job)
-        req = job.req
-        # the decoder computes the first token's KV, producing token 2: both reach the client then
-        job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + req.output_tokens, job.dl, self._naive_second))
-
-    @cython.locals(pj=PrefillJob, job=Job)
-    def _naive_second(self, pj: PrefillJob) -> None:
-        job: Job = pj.owner
-        req = job.req
-        t = self.loop.now + self.ow
-        job.t_first = t
-        if req.output_tokens <= 2:
-            job.t_last = t
-            job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)
-            self._settle(job)
-            self._finish(job)
-            return
-        self._decode(job, job.d, req.prompt_tokens + 2, req.output_tokens - 2, t, self.ow)

@@ -94,7 +94,7 @@ class AgenticWorkload(BaseModel):
         HitBand(weight=0.02, low=0.0, high=0.5),
     ]
     """Hit-rate mix of follow-up turns. With the cold first turns and the
-    compactions, the default gives what ../shared/PDD.md reports: ~90% on
+    compactions, the default gives what the PDD paper reports: ~90% on
     average, ~73% of turns above 95%, a low-hit tail (< 50%) of ~4%."""
     output_median: Annotated[int, Field(gt=0)] = 400
     output_sigma: Annotated[float, Field(ge=0)] = 0.8

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import app.policy
+import app.sim.baselines
 import app.sim.pdd
 import app.sim.twin
 from app.config import Mode, PDDConfig
@@ -415,7 +416,7 @@ def test_workload_generator_is_seeded():
 def test_twin_calls_the_policy_module_itself():
     for name in ("choose_pipeline", "blocks_missing", "RelayMachine"):
         assert getattr(app.sim.pdd, name) is getattr(app.policy, name)
-    assert app.sim.twin.blocks_missing is app.policy.blocks_missing
+    assert app.sim.baselines.blocks_missing is app.policy.blocks_missing
 
 
 def test_policy_swapped_in_changes_the_twin(monkeypatch):
