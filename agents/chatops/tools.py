@@ -265,62 +265,47 @@ class Toolbox:
         return ToolOutput(data, [Figure(source="twin", query=f"what_if(replicas={plan}, load_rps={load_rps:g})", value=value)])
 
     def _build(self) -> list[BaseTool]:
-        tools = [
-            StructuredTool.from_function(
-                coroutine=self.prometheus_query,
-                name="prometheus_query",
-                args_schema=PromQuery,
-                description="Query the cluster's Prometheus (evaluated now). Named templates:\n"
+        # (the tool's function, its arguments, what the model reads about it); the name is the function's
+        specs: list[tuple[Callable[..., Any], type[BaseModel], str]] = [
+            (
+                self.prometheus_query,
+                PromQuery,
+                "Query the cluster's Prometheus (evaluated now). Named templates:\n"
                 + catalogue(self.named)
                 + "\nTTFT carries no datacenter label: datacenters show in link labels and in cluster_state.",
             ),
-            StructuredTool.from_function(
-                coroutine=self.cluster_state,
-                name="cluster_state",
-                args_schema=NoArgs,
-                description="The cluster's state (GET /pdd/state): mode, roles with replicas per node group and datacenter, live knobs, links, requests in flight, recent SLO figures by pipeline.",
+            (
+                self.cluster_state,
+                NoArgs,
+                "The cluster's state (GET /pdd/state): mode, roles with replicas per node group and datacenter, live knobs, links, requests in flight, recent SLO figures by pipeline.",
             ),
-            StructuredTool.from_function(
-                coroutine=self.request_journey,
-                name="request_journey",
-                args_schema=JourneyQuery,
-                description="One request's journey (GET /pdd/requests/{id}): pipeline, prefix hits, KV transfers, handoff, timings.",
+            (
+                self.request_journey,
+                JourneyQuery,
+                "One request's journey (GET /pdd/requests/{id}): pipeline, prefix hits, KV transfers, handoff, timings.",
             ),
-            StructuredTool.from_function(
-                coroutine=self.recent_requests,
-                name="recent_requests",
-                args_schema=Limit,
-                description="The most recent requests' journeys, summarized (ids, pipeline, TTFT, worst gap, errors).",
+            (self.recent_requests, Limit, "The most recent requests' journeys, summarized (ids, pipeline, TTFT, worst gap, errors)."),
+            (
+                self.agent_actions,
+                Limit,
+                "What the ops agents did recently: tick summaries from the audit trail, runbook action entries (situation, evidence, change, outcome) and the proposals awaiting approval (target -> tick).",
             ),
-            StructuredTool.from_function(
-                coroutine=self.agent_actions,
-                name="agent_actions",
-                args_schema=Limit,
-                description="What the ops agents did recently: tick summaries from the audit trail, runbook action entries (situation, evidence, change, outcome) and the proposals awaiting approval (target -> tick).",
-            ),
-            StructuredTool.from_function(
-                coroutine=self.read_runbook,
-                name="read_runbook",
-                args_schema=RunbookQuery,
-                description="Read the runbook for a situation. Runbooks: " + ", ".join(records.runbook_names(self.runbooks_dir)),
-            ),
+            (self.read_runbook, RunbookQuery, "Read the runbook for a situation. Runbooks: " + ", ".join(records.runbook_names(self.runbooks_dir))),
         ]
         if self.observe is not None:
-            tools.append(
-                StructuredTool.from_function(
-                    coroutine=self.diagnosis,
-                    name="diagnosis",
-                    args_schema=NoArgs,
-                    description="The ops agents' diagnosis now: each situation (RLD overload, WAN degradation, SLO breaches, ...) with its evidence, the specialists that act on it and its runbook.",
+            specs.append(
+                (
+                    self.diagnosis,
+                    NoArgs,
+                    "The ops agents' diagnosis now: each situation (RLD overload, WAN degradation, SLO breaches, ...) with its evidence, the specialists that act on it and its runbook.",
                 )
             )
         if self.what_if is not None:
-            tools.append(
-                StructuredTool.from_function(
-                    coroutine=self.twin_what_if,
-                    name="twin_what_if",
-                    args_schema=WhatIfQuery,
-                    description="Ask the digital twin what TTFT, TPOT and worst gap (at the SLO percentile) a replica plan would give at a load.",
+            specs.append(
+                (
+                    self.twin_what_if,
+                    WhatIfQuery,
+                    "Ask the digital twin what TTFT, TPOT and worst gap (at the SLO percentile) a replica plan would give at a load.",
                 )
             )
-        return tools
+        return [StructuredTool.from_function(coroutine=fn, name=fn.__name__, args_schema=schema, description=text) for fn, schema, text in specs]
