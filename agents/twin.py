@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -179,7 +180,7 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
     window = float(window_s if window_s is not None else slo.window_s)
     w = _Window.of(run, window, end_s)
     fleet, q, span, pipes = run.config, slo.percentile, w.span, w.pipes
-    gap, steady_tpot = w.gap, np.nan_to_num(w.tpot)
+    gap, steady_tpot = w.gap, w.steady_tpot
     replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in MODE_ROLES[fleet.mode]}
     kv = _wan_pulls(w, fleet)
     return Snapshot(
@@ -261,13 +262,18 @@ class _Window:
             wan=col("wan_bytes"),
         )
 
-    @property
+    @cached_property
     def with_p(self) -> np.ndarray:
         return self.pipes != Pipeline.colocated.value
 
-    @property
+    @cached_property
     def relayed(self) -> np.ndarray:
         return np.isin(self.pipes, _RELAYED)
+
+    @cached_property
+    def steady_tpot(self) -> np.ndarray:
+        """TPOT with one-token answers' NaN as 0."""
+        return np.nan_to_num(self.tpot)
 
 
 def _prefix_hits(w: _Window) -> dict[str, float]:
@@ -294,7 +300,7 @@ def _md_hit_buckets(w: _Window) -> dict[str, float]:
 def _ongoing(w: _Window, fleet: PDDConfig) -> dict[str, float]:
     """Requests in progress per deployment, by Little's law: P holds a request from arrival to
     first token, RLD for its relay tokens, the finishing decoder from first to last token."""
-    steady_tpot = np.nan_to_num(w.tpot)
+    steady_tpot = w.steady_tpot
     ongoing: dict[str, float] = {}
     for role in MODE_ROLES[fleet.mode]:
         if role is RoleName.prefill:
