@@ -56,6 +56,7 @@ MODULES = (
     "app.sim.results",
     "app.sim.routing",
     "app.sim.twin",
+    "app.sim.work",
 )
 """What the twin runs per event: its own modules, and the conductor's routing index and policy."""
 

@@ -9,9 +9,9 @@ import cython  # Cython's pure-Python shim: the type hints below only matter to 
 
 from app.config import RoleName
 from app.policy import Pipeline, blocks_missing
-from app.sim.engine import PrefillJob
 from app.sim.jobs import Job
 from app.sim.pdd import P_D_NAIVE, PDDPipelines
+from app.sim.work import PrefillJob
 
 
 class BaselinePipelines(PDDPipelines):

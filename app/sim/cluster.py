@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import MODE_ROLES, Mode, ModelSpec, PDDConfig, RoleConfig, RoleName, link_key
-from app.sim.engine import Host, Instance
+from app.sim.engine import Instance
 from app.sim.events import Loop
 from app.sim.network import Link
 from app.sim.perf import PerfModel, Roofline
+from app.sim.work import Host
 
 GIB = 1 << 30
 #: vLLM's chunked-prefill token budget for online serving when the engine sets none.

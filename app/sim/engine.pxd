@@ -1,35 +1,19 @@
-# The compiled build's field declarations for engine.py's classes (app/native.py): the fields
+# The compiled build's field declarations for engine.py's Instance (app/native.py): the fields
 # its methods assign, no more (tests/unit/test_native.py checks); typed self.* reads skip the attribute lookup.
 
 from app.sim.cache cimport PrefixCache
 from app.sim.events cimport Loop
 from app.sim.perf cimport DecodeRamp
+from app.sim.work cimport Host, Lease, PrefillJob, Seq, StepLog
 
-
-cdef class Instance
-
-
-cdef class Lease:
-    cdef public object key, hit, held, pinned, divergences
-
-cdef class PrefillJob:
-    cdef public object owner, left, ctx, need, cb, admitted
-    cdef public Lease lease
-
-cdef class Seq:
-    cdef public object owner, ctx, n, need, cb, state, join, fin, t_first, log0, prefills_first
-    cdef public Lease lease
-    cdef public Instance inst
-
-cdef class Host:
-    cdef public object members, busy
 
 cdef class Instance:
     cdef public Loop loop
     cdef public PrefixCache cache
     cdef public DecodeRamp ramp
     cdef public Host host
+    cdef public StepLog steplog
     cdef public object name, perf, max_seqs, max_batched, capacity, block, kv_blocks, reserved, active
     cdef public object streams, state, prefill_q, admitted_prefills, join_q, n, kv, steps, fin_heap, _order, removals
-    cdef public object log_n, mono_i, mono_v, trim_at, version, t0, s0, m, step_dt, chunks, cut, busy_s
+    cdef public object version, t0, s0, m, step_dt, chunks, cut, busy_s
     cdef public object prefill_tokens, decode_tokens, neighbor_slowdown, pulled_first_step, busy, slow, step_joined

@@ -8,125 +8,24 @@ New work joins at the next step boundary.
 While no prefill is queued the replica runs a decode-only stretch ("epoch")
 without one event per step: step times follow `DecodeRamp`, and the epoch ends
 at the next sequence completion, or earlier, at the first step boundary after
-new work arrives (a cut). Per-request worst gaps come from the step times
-(an epoch's longest step stands for its steps), kept as suffix maxima: the
-worst step since a sequence joined is one binary search away.
-
-Memory: `capacity` KV tokens. A request's `Lease` holds its blocks (the cached
-prefix it reuses, then everything it will write, reserved on admission); the
-prefix cache keeps the rest of memory and is evicted as reservations grow.
-When nothing runs, the head of the queue is admitted even if it alone
-exceeds memory, so a huge request delays others instead of wedging the replica.
-
-CPU sharing: replicas on one `Host` (engines of a CPU dev cluster, all on one
-machine) slow each other down. A step runs `1 + neighbor_slowdown * k` times
-as long as its model gives, k the host's other busy replicas (`neighbor_slowdown`:
-the replica's fitted model, app/sim/fitting.py `fit_to_app_steps`). When k
-changes, a step in flight finishes its remaining share at the new rate, and a
-decode epoch ends at its next step boundary and is planned again.
+new work arrives (a cut). Memory (leases) and CPU sharing (hosts): app/sim/work.py.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from itertools import count
-from typing import Any
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
 from app.sim.cache import PrefixCache, usable_tokens
 from app.sim.events import Loop
 from app.sim.perf import DecodeRamp, PerfModel
+from app.sim.work import DONE, RUNNING, WAITING, Host, Lease, PrefillJob, Seq, StepLog
 
 IDLE, STEP, EPOCH, ENDING = 0, 1, 2, 3
-WAITING, RUNNING, DONE = 0, 1, 2
-_MONO_TRIM = 1 << 12
-
-
-class Lease:
-    """A request's hold on one replica: the cached prefix it reuses (pinned) and
-    the memory reserved for the tokens it writes."""
-
-    __slots__ = ("key", "hit", "held", "pinned", "divergences")
-
-    def __init__(self, key: Hashable, hit: int, pinned: bool, divergences: Sequence[int]):
-        self.key = key
-        self.hit = hit
-        self.held = 0
-        self.pinned = pinned
-        self.divergences = divergences
-        """The conversation's rewrites (app/sim/cache.usable_tokens), as they grow."""
-
-
-class PrefillJob:
-    """Tokens to compute for one request (a prompt, or an extend step's tokens).
-
-    `cb(job)` runs when the last chunk's step ends: that step samples a token.
-    """
-
-    __slots__ = ("owner", "left", "ctx", "need", "lease", "cb", "admitted")
-
-    def __init__(self, owner: Any, tokens: int, ctx: int, need: int, lease: Lease, cb: Callable[[PrefillJob], None]):
-        self.owner = owner
-        self.left = tokens
-        self.ctx = ctx
-        self.need = need
-        self.lease = lease
-        self.cb = cb
-        self.admitted = False
-
-
-class Seq:
-    """One request decoding `n` tokens here from a context of `ctx` tokens.
-
-    `cb(seq, worst_step_s)` runs at its last token (time `loop.now`); `t_first`
-    is when it produced its first token here.
-
-    `prefills_first`: the sequence's KV was pulled up to its last prompt token,
-    which it computes itself (the PDD connector never pulls the token a decoder
-    continues from), so its first step here is a one-token prefill chunk after
-    a prefix, priced as such, not a decode step.
-    """
-
-    __slots__ = ("owner", "ctx", "n", "need", "lease", "cb", "state", "join", "fin", "t_first", "log0", "inst", "prefills_first")
-
-    def __init__(self, owner: Any, ctx: int, n: int, need: int, lease: Lease, cb: Callable[[Seq, float], None], prefills_first: bool = False):
-        self.owner = owner
-        self.ctx = ctx
-        self.n = n
-        self.need = need
-        self.lease = lease
-        self.cb = cb
-        self.state = WAITING
-        self.join = 0
-        self.fin = 0
-        self.t_first = 0.0
-        self.log0 = 0
-        self.inst: Instance | None = None
-        self.prefills_first = prefills_first
-
-
-class Host:
-    """Replicas sharing one machine's CPU; `busy` counts those with a step in flight."""
-
-    __slots__ = ("members", "busy")
-
-    def __init__(self) -> None:
-        self.members: list[Instance] = []
-        self.busy = 0
-
-    def join(self, inst: Instance) -> None:
-        self.members.append(inst)
-        inst.host = self
-
-    def changed(self, inst: Instance, now: float) -> None:
-        """`inst` became busy or idle: the others' steps in flight run at a new rate."""
-        for other in self.members:
-            if other is not inst and (other.state == STEP or other.state == EPOCH):
-                other._rescale(now)
 
 
 class Instance:
@@ -157,12 +56,7 @@ class Instance:
         self.fin_heap: list[tuple[int, int, Seq]] = []
         self._order = count()
         self.removals: list[Seq] = []
-        self.log_n = 0
-        """Step records so far (a step, or an epoch)."""
-        self.mono_i: list[int] = []
-        self.mono_v: list[float] = []
-        """Records that are longer than every later one (indices ascending, times descending)."""
-        self.trim_at = _MONO_TRIM
+        self.steplog = StepLog()
         self.version = 0
         self.t0 = 0.0
         self.s0 = 0
@@ -275,7 +169,7 @@ class Instance:
             seq.state = DONE
             return produced, -1.0, 0.0
         produced, t_last = self.tokens_by(seq, t)
-        worst = self._worst_since(seq.log0)
+        worst = self.steplog.worst_since(seq.log0)
         seq.n = produced
         self.removals.append(seq)
         self._poke()
@@ -316,7 +210,7 @@ class Instance:
             seq.state = RUNNING
             seq.join = self.steps
             seq.fin = self.steps + seq.n
-            seq.log0 = self.log_n
+            seq.log0 = self.steplog.n
             self.n += 1
             self.kv += seq.ctx
             heapq.heappush(self.fin_heap, (seq.fin, next(self._order), seq))
@@ -405,6 +299,8 @@ class Instance:
     def _rescale(self, now: float) -> None:
         """The host's other busy replicas changed in number: a step in flight runs its
         remaining share at the new rate; an epoch ends at its next step boundary."""
+        if self.state != STEP and self.state != EPOCH:
+            return
         slow = self._slowdown()
         if slow == self.slow:
             return
@@ -487,26 +383,8 @@ class Instance:
             seq.state = DONE
             self.n -= 1
             self.kv -= seq.ctx + (steps - seq.join)
-            seq.cb(seq, self._worst_since(seq.log0))
+            seq.cb(seq, self.steplog.worst_since(seq.log0))
 
     def _note(self, dt: float) -> None:
-        mi, mv = self.mono_i, self.mono_v
-        while mv and mv[-1] <= dt:
-            mv.pop()
-            mi.pop()
-        mi.append(self.log_n)
-        mv.append(dt)
-        self.log_n += 1
-        if len(mi) > self.trim_at:
-            self._trim()
-
-    def _worst_since(self, log0: int) -> float:
-        j = bisect_left(self.mono_i, log0)
-        return self.mono_v[j] if j < len(self.mono_v) else 0.0
-
-    def _trim(self) -> None:
-        """Forget records older than every running sequence (a long run of shrinking steps)."""
-        oldest = min((s.log0 for _, _, s in self.fin_heap if s.state == RUNNING), default=self.log_n)
-        j = bisect_left(self.mono_i, oldest)
-        del self.mono_i[:j], self.mono_v[:j]
-        self.trim_at = max(_MONO_TRIM, 2 * len(self.mono_i))
+        if self.steplog.note(dt):
+            self.steplog.forget_before(min((s.log0 for _, _, s in self.fin_heap if s.state == RUNNING), default=self.steplog.n))

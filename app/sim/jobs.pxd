@@ -1,7 +1,8 @@
 # The compiled build's field declarations for jobs.py's classes (app/native.py): the fields
 # its methods assign, no more (tests/unit/test_native.py checks); typed self.* reads skip the attribute lookup.
 
-from app.sim.engine cimport Instance, Lease
+from app.sim.engine cimport Instance
+from app.sim.work cimport Lease
 
 
 cdef class Session:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from app.policy import Pipeline
-from app.sim.engine import Instance, Lease, Seq
+from app.sim.engine import Instance
 from app.sim.pending import Warm
 from app.sim.routing import Conversation, KeyChain
+from app.sim.work import Lease, Seq
 from app.sim.workload import Request
 
 

@@ -1,7 +1,7 @@
 # The compiled build's field declarations for pdd.py (app/native.py): Twin's state (app/sim/twin.py), declared
 # on its base so the pipelines' methods read it directly too (tests/unit/test_native.py checks the list).
 
-from app.sim.engine cimport PrefillJob, Seq
+from app.sim.work cimport PrefillJob, Seq
 from app.sim.jobs cimport Job
 
 cdef class PDDPipelines:

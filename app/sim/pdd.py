@@ -42,8 +42,9 @@ from app.policy import (
     blocks_missing,
     choose_pipeline,
 )
-from app.sim.engine import WAITING, Instance, PrefillJob, Seq
+from app.sim.engine import Instance
 from app.sim.jobs import Job
+from app.sim.work import WAITING, PrefillJob, Seq
 
 P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive
 

@@ -61,7 +61,7 @@ from app.config import Mode, PDDConfig, RoleName
 from app.policy import ClusterFacts, LinkBacklog, LinkFacts, affinity_room
 from app.sim.baselines import BaselinePipelines
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
-from app.sim.engine import Instance, PrefillJob, Seq
+from app.sim.engine import Instance
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.network import PullSlots
@@ -70,6 +70,7 @@ from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD
 from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
+from app.sim.work import PrefillJob, Seq
 from app.sim.workload import Request
 
 WARM_ROLES = {

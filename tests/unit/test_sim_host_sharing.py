@@ -6,9 +6,10 @@ import pytest
 
 from app.config import Mode, RoleName
 from app.sim.cluster import build_cluster
-from app.sim.engine import Host, Instance, PrefillJob, Seq
+from app.sim.engine import Instance
 from app.sim.events import Loop
 from app.sim.perf import FittedPerf
+from app.sim.work import Host, PrefillJob, Seq
 from tests.unit.test_sim_twin import tiny_config
 
 STEP = FittedPerf(a_ms=100.0, b_ms_per_prefill_token=0.0, c_ms_per_decode_seq=0.0, d_ms_per_kv_token=0.0, neighbor_slowdown=0.5)

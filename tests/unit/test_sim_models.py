@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from app.config import AcceleratorSpec, LinkConfig, ModelSpec, PullOrder
 from app.sim.cache import PrefixCache, merged, usable_tokens
-from app.sim.engine import Instance, Seq
+from app.sim.engine import Instance
 from app.sim.events import Loop
 from app.sim.network import Link, PullSlots
 from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json, save_samples
+from app.sim.work import Seq
 
 ACC = AcceleratorSpec(peak_tflops=100, memory_bandwidth_gbps=1000, memory_gib=80)
 MODEL = ModelSpec(active_params_b=1, total_params_b=4, weight_bytes_per_param=2, kv_bytes_per_token=1000, attention_flops_per_token_pair=1e6)
