@@ -34,10 +34,11 @@ run: install prometheus
 test: install prometheus lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
 
-# ruff's rules and line length are in pyproject.toml; `ruff format app agents bench tests` fixes the format
+# ruff's and mypy's settings are in pyproject.toml; `ruff format app agents bench tests` fixes the format
 lint: install
 	$(BIN)/ruff check app agents bench tests
 	$(BIN)/ruff format --check app agents bench tests
+	$(BIN)/mypy
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import getpass
 import textwrap
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from itertools import groupby
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console, Group
@@ -37,7 +39,8 @@ def _load(config_path: Path):
         raise typer.Exit(2) from None
 
 
-def _print_tick(state: dict) -> None:
+def _print_tick(state: Mapping[str, Any]) -> None:
+    """A tick's final state as graph.invoke returns it (with "__interrupt__" while it awaits approval)."""
     line = f"[bold]{state['tick']}[/bold] {state['mode']}"
     if state.get("error"):
         console.print(f"{line} [red]{state['error']}[/red]")

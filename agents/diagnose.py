@@ -242,7 +242,7 @@ class _Diagnosis:
         ):
             ratio = value * 1000 / target if value is not None else None
             over = self.snap.slo_violation_rate_by_slo.get(label[:4], 0.0) * self.snap.window_s
-            if self.past(name, ratio, SLO_RATIO) and over >= MIN_BREACH_REQUESTS - 1e-9:
+            if value is not None and self.past(name, ratio, SLO_RATIO) and over >= MIN_BREACH_REQUESTS - 1e-9:
                 by = label.replace("_p", "_p_by_pipeline")
                 per = getattr(self.snap, by)
                 self.add(

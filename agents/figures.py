@@ -157,10 +157,11 @@ def wan_links(snap: Snapshot, config: PDDConfig) -> list[LinkHealth]:
         except KeyError:
             continue
         slowdown = snap.kv_slowdown_mean_by_link.get(label)
-        shared = slowdown is not None and slowdown > 0
-        if shared:
+        if slowdown is not None and slowdown > 0:
+            shared = True
             expected = mean_s / slowdown
         else:
+            shared = False
             expected = expected_pull_s(link, snap.kv_bytes_per_transfer_by_link.get(label, 0.0))
             slowdown = mean_s / expected if expected > 0 else 1.0
         pulls = snap.kv_transfer_rate_by_link.get(label, 0.0)

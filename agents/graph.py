@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from langgraph.graph import END, START, StateGraph
 
@@ -35,10 +35,16 @@ from agents.tick import Deps, TickState, new_tick_id
 __all__ = ["Deps", "TickState", "build_graph", "new_tick_id"]
 
 
+class TickNode(Protocol):
+    """A node as StateGraph.add_node takes it: called with the state (by the name `state`), returns its update."""
+
+    def __call__(self, state: TickState) -> Any: ...
+
+
 def build_graph(deps: Deps) -> StateGraph:
     """The tick graph over `deps`: each node is a function of (state, deps) in agents/nodes.py."""
 
-    def bound(node: Callable[..., Any], **kw: Any) -> Callable[[TickState], Any]:
+    def bound(node: Callable[..., Any], **kw: Any) -> TickNode:
         return functools.partial(node, deps=deps, **kw)
 
     g = StateGraph(TickState)

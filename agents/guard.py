@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from agents.controllers import fleet_cost
 from agents.knobs import CHOICE_KNOBS, Change, get_knob, is_notice, is_replicas, kind_of, knob_bounds, limit, role_of, with_knobs
 from agents.memory import Block, Growth, Memory, growth_key
-from agents.proposal import Decision, Proposal
+from agents.proposal import Decision, Proposal, Status
 from app.config import AgentsConfig, LiveKnobs, PDDConfig
 
 #: A rolled-back move stays blocked for this many cooldowns, doubled for each rollback of
@@ -81,7 +81,7 @@ def _judge(
     target = p.change.target
     kind = kind_of(target)
 
-    def verdict(status: str, reason: str = "", change: Change | None = None) -> Decision:
+    def verdict(status: Status, reason: str = "", change: Change | None = None) -> Decision:
         proposal = p if change is None else p.model_copy(update={"change": change})
         return Decision(proposal=proposal, status=status, reason=reason)
 
@@ -120,6 +120,7 @@ def _judge(
         if p.change.new == p.change.old:
             return verdict("rejected", "no change")
         return verdict("accepted")
+    assert bounds is not None  # every kind but "choice" (handled above) returned when it had no bounds
     new = limit(target, p.change.old, float(p.change.new), bounds)
     if new == p.change.old:
         return verdict("rejected", "no change within bounds and step")

@@ -64,6 +64,12 @@ def next_specialist(state: TickState, visited: list[str], deps: Deps) -> Command
     return hand_to(agent, why)
 
 
+def handoff_update(cmd: Command) -> dict[str, Any]:
+    """The state update of a handoff's Command (router.hand_to's always has one)."""
+    assert isinstance(cmd.update, dict)
+    return cmd.update
+
+
 def observe(state: TickState, deps: Deps) -> Command:
     now = state["now"]
     memory = deps.memory.load().model_dump(mode="json")
@@ -93,9 +99,9 @@ def diagnose_node(state: TickState, deps: Deps) -> Command:
     memory.streaks = streaks
     memory.growth = {k: g for k, g in memory.growth.items() if g.situation in streaks}
     memory.filed = {k: f for k, f in memory.filed.items() if f.situation in streaks}
-    update = {"situations": [s.model_dump(mode="json") for s in found], "memory": memory.model_dump(mode="json")}
+    update: TickState = {"situations": [s.model_dump(mode="json") for s in found], "memory": memory.model_dump(mode="json")}
     cmd = next_specialist({**state, **update}, [], deps)
-    return Command(goto=cmd.goto, update={**update, **cmd.update})
+    return Command(goto=cmd.goto, update={**update, **handoff_update(cmd)})
 
 
 def run_specialist(state: TickState, deps: Deps, name: str) -> Command:
@@ -107,7 +113,7 @@ def run_specialist(state: TickState, deps: Deps, name: str) -> Command:
     if name == CLERK:
         return Command(goto="guard", update=own)
     cmd = next_specialist(state, visited, deps)
-    return Command(goto=cmd.goto, update={**own, **cmd.update})
+    return Command(goto=cmd.goto, update={**own, **handoff_update(cmd)})
 
 
 def guard_node(state: TickState, deps: Deps) -> dict:
@@ -152,7 +158,7 @@ def persist(state: TickState, deps: Deps) -> Command:
             entries[target] = path
     saved = memory.model_dump(mode="json")
     deps.memory.save(Memory.model_validate(state["memory_saved"]), memory)
-    update = {"memory": saved, "memory_saved": saved, "entries": entries, "explanation": explanation}
+    update: TickState = {"memory": saved, "memory_saved": saved, "entries": entries, "explanation": explanation}
     if awaiting:
         history(state | update, "awaiting approval", deps)
         return Command(goto="approve", update=update)
@@ -165,11 +171,11 @@ def file_once(memory: Memory, p: Proposal, tick: str, mode: str, now: float, exp
     target = p.change.target
     notice = is_notice(target)
     earlier = memory.filed.get(target)
-    # the value a controller proposes moves with the figures; from the same live value it is the same proposal
-    same = earlier is not None and earlier.situation == p.situation_key and earlier.change.old == p.change.old
     again = AGAIN if notice else f"{PROPOSED_AGAIN}: {p.change.describe()}"
-    if same and deps.entries.update(earlier.path, at=now, outcome=f"{again} (tick {tick})"):
-        return earlier.path
+    # the value a controller proposes moves with the figures; from the same live value it is the same proposal
+    if earlier is not None and earlier.situation == p.situation_key and earlier.change.old == p.change.old:
+        if deps.entries.update(earlier.path, at=now, outcome=f"{again} (tick {tick})"):
+            return earlier.path
     path = deps.entries.file(p, tick=tick, mode=mode, at=now, outcome=NOTIFIED if notice else PROPOSED, explanation=explanation)
     if path:
         memory.filed[target] = Filed(situation=p.situation_key, change=p.change, path=path)

@@ -118,10 +118,10 @@ class LLMRouter:
             return agent, f"{why} (LLM unavailable: {type(err).__name__})"
         by_name = {tool_name(a): a for a in candidates}
         for call in getattr(reply, "tool_calls", None) or []:
-            agent = by_name.get(call.get("name"))
-            if agent is not None:
+            chosen = by_name.get(call.get("name"))
+            if chosen is not None:
                 reason = str((call.get("args") or {}).get("reason") or reply.content or "").strip()
-                return agent, f"llm: {reason}" if reason else "llm"
+                return chosen, f"llm: {reason}" if reason else "llm"
         agent, why = self.rules.choose(brief, candidates)
         return agent, f"{why} (LLM answer not an offered handoff)"
 
@@ -137,11 +137,12 @@ class LLMRouter:
 
 def chat_model(endpoint: LLMEndpoint) -> BaseChatModel:
     from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
 
     return ChatOpenAI(
         base_url=endpoint.base_url,
         model=endpoint.model,
-        api_key=os.environ.get(endpoint.api_key_env) or "none",
+        api_key=SecretStr(os.environ.get(endpoint.api_key_env) or "none"),
         temperature=0,
         timeout=30,
         max_retries=1,

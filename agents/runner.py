@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.store.base import BaseStore
 from langgraph.store.sqlite import SqliteStore
 from langgraph.types import Command
 
@@ -147,15 +148,22 @@ class Swarm:
             raise KeyError(f"no proposal awaits approval in {tick} (see `pdd agents pending`)")
         return self.graph.invoke(Command(resume={"approved": approved, "by": by, "note": note}), self.thread(tick))
 
+    @property
+    def store(self) -> BaseStore:
+        """The audit database's store (Swarm.open always gives the deps one)."""
+        if self.deps.store is None:
+            raise RuntimeError("this swarm's deps have no store")
+        return self.deps.store
+
     def history(self, limit: int = 20) -> list[dict]:
-        return read_history(self.deps.store, limit)
+        return read_history(self.store, limit)
 
     def begin_run(self, app_name: str, *, new_cluster: bool) -> None:
         """Mark in the history where this run's ticks begin."""
-        record_run(self.deps.store, self.deps.clock(), self.agents.mode.value, app_name, new_cluster)
+        record_run(self.store, self.deps.clock(), self.agents.mode.value, app_name, new_cluster)
 
     def runs(self) -> list[dict]:
-        return read_runs(self.deps.store)
+        return read_runs(self.store)
 
 
 def load(config_path: str | Path) -> tuple[PDDConfig, str]:

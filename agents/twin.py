@@ -181,7 +181,8 @@ def snapshot_from_run(run: SimRun, config: PDDConfig, now: float, *, window_s: f
     w = _Window.of(run, window, end_s)
     fleet, q, span, pipes = run.config, slo.percentile, w.span, w.pipes
     gap, steady_tpot = w.gap, w.steady_tpot
-    replicas = {deployment(role): float(fleet.roles.get(role).replicas) for role in MODE_ROLES[fleet.mode]}
+    present = fleet.roles.present()  # holds every role of the mode (PDDConfig validates it)
+    replicas = {deployment(role): float(present[role].replicas) for role in MODE_ROLES[fleet.mode]}
     kv = _wan_pulls(w, fleet)
     return Snapshot(
         at=now,

@@ -23,10 +23,12 @@ from app.telemetry.snapshot import Snapshot
 #: A unit without data is kept after waiting this many verify periods.
 NO_DATA_PERIODS = 3
 
+Outcome = Literal["kept", "rolled_back", "waiting"]
+
 
 class Verdict(BaseModel):
     unit: Unit
-    outcome: Literal["kept", "rolled_back", "waiting"]
+    outcome: Outcome
     before: float | None
     after: float | None
     after_figures: dict[str, float] = {}
@@ -48,6 +50,7 @@ def verify(units: list[Unit], snap: Snapshot, slo: SLOConfig, agents: AgentsConf
     for unit in units:
         if snap.at < unit.verify_at:
             continue
+        outcome: Outcome
         before = slo_score(unit.baseline)
         if after is None or before is None:
             waited_out = snap.at >= unit.applied_at + NO_DATA_PERIODS * max(agents.verify_after_s, 1.0)

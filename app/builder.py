@@ -94,14 +94,16 @@ def light_options(config: PDDConfig, group_name: str) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> serve.Application:
     config = parse_config(args)
     config_dict = config.model_dump(mode="json")
-    router = RequestRouterConfig(request_router_class="app.conductor.replica_router:AffinityRequestRouter")
+    # Ray annotates RequestRouterConfig's **kwargs as dicts; mypy does not apply class decorators,
+    # so it misses that @serve.deployment made the classes below Deployments (hence .options)
+    router = RequestRouterConfig(request_router_class="app.conductor.replica_router:AffinityRequestRouter")  # type: ignore[arg-type]
     engines = {}
     for role, rc in config.roles.present().items():
         if rc.replicas < 1:
             continue
         engines[role.value] = (
             ROLE_DEPLOYMENTS[role]
-            .options(
+            .options(  # type: ignore[attr-defined]
                 num_replicas=rc.replicas,
                 request_router_config=router,
                 max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
@@ -118,10 +120,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         group = next((rc.node_group for rc in config.roles.present().values() if config.node_groups[rc.node_group].datacenter == dc), None)
         if group is None:  # no role there: nothing receives KV in this datacenter
             continue
-        links[dc] = LinkEmulators.options(
+        links[dc] = LinkEmulators.options(  # type: ignore[attr-defined]
             name=deployment_name(dc), ray_actor_options=light_options(config, group), user_config={"links": [lc.model_dump(mode="json") for lc in config.links]}
         ).bind(dc)
-    return ConductorIngress.options(
+    return ConductorIngress.options(  # type: ignore[attr-defined]
         ray_actor_options=light_options(config, home.node_group),
         user_config=config.live_knobs().model_dump(mode="json"),
     ).bind(config_dict, engines, links)

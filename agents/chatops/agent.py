@@ -12,11 +12,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiosqlite
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
+from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
@@ -60,8 +61,10 @@ class ChatAgent:
 
     async def ask(self, message: str, thread_id: str) -> AsyncIterator[dict[str, Any]]:
         """Answer one message on a thread (its earlier turns are remembered)."""
-        config = {"configurable": {"thread_id": thread_id}, "recursion_limit": 2 * MAX_ROUNDS + 8}
-        async for mode, item in self.graph.astream({"messages": [HumanMessage(message)]}, config, stream_mode=["messages", "updates"]):
+        config: RunnableConfig = {"configurable": {"thread_id": thread_id}, "recursion_limit": 2 * MAX_ROUNDS + 8}
+        # with a list of stream modes each part is a (mode, chunk) pair, which the stub's return type does not say
+        parts = cast("AsyncIterator[tuple[str, Any]]", self.graph.astream({"messages": [HumanMessage(message)]}, config, stream_mode=["messages", "updates"]))
+        async for mode, item in parts:
             if mode == "messages":
                 chunk, meta = item
                 if meta.get("langgraph_node") == "agent" and isinstance(chunk, (AIMessage, AIMessageChunk)):

@@ -14,6 +14,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from agents.chatops import records
 from agents.chatops.evidence import Figure, clip, number
 from agents.chatops.questions import METRICS, Question
@@ -250,11 +252,11 @@ async def change_lines(q: Question, r: Reader, config: PDDConfig) -> list[str]:
 def knob_paths() -> list[str]:
     """Every live knob's path (`routing.max_wan_transfer_ms`)."""
 
-    def walk(model: type, prefix: str) -> list[str]:
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
         out = []
         for name, field in model.model_fields.items():
             sub = field.annotation
-            if isinstance(sub, type) and hasattr(sub, "model_fields"):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
                 out += walk(sub, f"{prefix}{name}.")
             else:
                 out.append(prefix + name)

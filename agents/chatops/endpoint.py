@@ -17,13 +17,17 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 
 from app.api.extensions import ChatOpsRequest
 from app.api.openai_requests import APIError
 from app.config import PDDConfig
+
+if TYPE_CHECKING:
+    from agents.chatops.agent import ChatAgent
+    from agents.chatops.rules import RuleAgent
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +43,10 @@ class ChatEndpoint:
         self.config = config
         self.conductor = conductor
         self.app_name = app_name
-        self._agent = None
+        self._agent: ChatAgent | RuleAgent | None = None
         self._lock = asyncio.Lock()
 
-    async def agent(self):
+    async def agent(self) -> ChatAgent | RuleAgent:
         async with self._lock:
             if self._agent is None:
                 from agents.chatops.agent import build_agent, llm_for, sqlite_checkpointer

@@ -117,7 +117,9 @@ def build_chat_graph(deps: ChatDeps) -> StateGraph:
         return {"messages": [reply]}
 
     async def tools(state: ChatState) -> dict:
-        calls = state["messages"][-1].tool_calls
+        last = state["messages"][-1]
+        assert isinstance(last, AIMessage)  # the agent's edge leads here only from its reply with tool calls
+        calls = last.tool_calls
         results = await asyncio.gather(*(deps.toolbox.run(c["name"], c.get("args") or {}) for c in calls))
         figures = list(state.get("figures", []))
         messages = []

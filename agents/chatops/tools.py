@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from langchain_core.tools import BaseTool, StructuredTool
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
@@ -84,6 +84,11 @@ class WhatIfQuery(BaseModel):
 
 class NoArgs(BaseModel):
     pass
+
+
+class _Series(TypedDict):
+    labels: dict[str, str]
+    value: float | None
 
 
 def _labels(metric: dict[str, str]) -> str:
@@ -168,14 +173,14 @@ class Toolbox:
             raise ToolFailed(f"Prometheus at {self.prometheus_url} unreachable: {clip(str(err))}") from err
         if result and not isinstance(result[0], dict):  # a scalar: [time, "value"]
             result = [{"metric": {}, "value": result}]
-        series = []
+        series: list[_Series] = []
         for sample in result[:MAX_SERIES]:
             metric = {k: clip(str(v), 200) for k, v in (sample.get("metric") or {}).items()}
             # a range selector returns "values"; its newest point stands for the series
             point = sample.get("value") or (sample.get("values") or [[None, "NaN"]])[-1]
             raw = float(point[1])
             series.append({"labels": metric, "value": number(raw) if math.isfinite(raw) else None})
-        data = {"query": template.name if template else promql, "promql": promql, "series": series}
+        data: dict[str, Any] = {"query": template.name if template else promql, "promql": promql, "series": series}
         if len(result) > MAX_SERIES:
             data["more_series_not_shown"] = len(result) - MAX_SERIES
         shown = "; ".join(f"{_labels(s['labels'])}: {s['value']}" for s in series) or "no data"
@@ -255,13 +260,14 @@ class Toolbox:
             p = await asyncio.to_thread(predict, self.what_if, self.config, plan, knobs, load_rps)
         except (KeyError, AttributeError, TypeError, ValueError) as err:
             raise ToolFailed(f"the twin could not answer: {clip(str(err))}") from err
+        predicted = {"ttft_ms": number(p.ttft_ms), "tpot_ms": number(p.tpot_ms), "gap_ms": number(p.gap_ms)}
         data = {
             "replicas": plan,
             "load_rps": load_rps,
-            "predicted": {"ttft_ms": number(p.ttft_ms), "tpot_ms": number(p.tpot_ms), "gap_ms": number(p.gap_ms)},
+            "predicted": predicted,
             "slo_percentile": self.config.slo.percentile,
         }
-        value = f"ttft {data['predicted']['ttft_ms']} ms, tpot {data['predicted']['tpot_ms']} ms, gap {data['predicted']['gap_ms']} ms"
+        value = f"ttft {predicted['ttft_ms']} ms, tpot {predicted['tpot_ms']} ms, gap {predicted['gap_ms']} ms"
         return ToolOutput(data, [Figure(source="twin", query=f"what_if(replicas={plan}, load_rps={load_rps:g})", value=value)])
 
     def _build(self) -> list[BaseTool]:

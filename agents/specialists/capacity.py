@@ -58,13 +58,21 @@ from agents.situations import (
 from agents.specialists.base import View
 from agents.specialists.routing import MIN_HIT, SINGULAR_SHARE_MIN
 from agents.whatif import predict
-from app.config import RoleName
+from app.config import RoleConfig, RoleName
 
 NAME = "capacity"
 #: A scale-down must leave the predicted SLO score at or below this.
 DOWN_MARGIN = 0.8
 #: A decoder this loaded (requests per batch slot) counts as busy: RLD overload's exit threshold.
 DECODER_BUSY = RLD_LOAD[1]
+
+
+def _role_config(view: View, role: RoleName) -> RoleConfig:
+    """A configured role's config (plans hold only roles.present() ones); KeyError, as PDDConfig.datacenter_of, otherwise."""
+    rc = view.config.roles.get(role)
+    if rc is None:
+        raise KeyError(role)
+    return rc
 
 
 def _cost(view: View, role: RoleName) -> float:
@@ -116,6 +124,7 @@ def _decoder_for_tpot(view: View) -> RoleName | None:
 def _relayed_tpot_notice(view: View, s: Situation) -> Proposal:
     per = view.snap.tpot_p_by_pipeline
     worst = f.worst_tpot_pipeline(view.snap)
+    assert worst is not None  # only for a breach whose worst pipeline is a relayed one (_decoder_for_tpot)
     md = per.get(f.P_MD)
     md_text = f"P-MD {md * 1000:.0f} ms" if md is not None else "no P-MD requests"
     return view.propose(
@@ -142,6 +151,7 @@ def _began_while_prefill_relays(view: View, s: Situation) -> bool:
 
 def _relay_outage_ttft_notice(view: View, s: Situation) -> Proposal:
     relaying = _prefill_relaying(view)
+    assert relaying is not None  # only for a breach that began while prefill relays (_role_for)
     return view.propose(
         NAME,
         s,
@@ -168,7 +178,7 @@ Plan = tuple[tuple[RoleName, int], ...]
 def _fleet(view: View, plan: Plan) -> dict[str, int]:
     fleet = dict(view.replicas)
     for role, delta in plan:
-        fleet[role.value] = fleet.get(role.value, view.config.roles.get(role).replicas) + delta
+        fleet[role.value] = fleet.get(role.value, _role_config(view, role).replicas) + delta
     return fleet
 
 
@@ -199,12 +209,15 @@ def _describe(plan: Plan) -> str:
 def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
     """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still.
     None (the rule decides) when the twin fails, or predicts the SLO met where the cluster breaches it."""
+    what_if = view.what_if
+    if what_if is None:
+        return None
     plans = [plan for role in view.config.roles.present() for plan in _grow(view, role, frozen)]
     if not plans:
         return None
 
     def score(fleet: dict[str, int]) -> float:
-        return predict(view.what_if, view.config, fleet, view.knobs, view.snap.request_rate).score(view.config)
+        return predict(what_if, view.config, fleet, view.knobs, view.snap.request_rate).score(view.config)
 
     try:
         still = score(dict(view.replicas))
@@ -248,7 +261,7 @@ def _up(view: View, s: Situation, role: RoleName, frozen: set[RoleName]) -> list
     group = f"move:{plan[0][0].value}->{plan[-1][0].value}" if len(plan) > 1 else ""
     out = []
     for r, delta in plan:
-        now = view.replicas.get(r.value, view.config.roles.get(r).replicas)
+        now = view.replicas.get(r.value, _role_config(view, r).replicas)
         if delta > 0:
             effect = f"{r.value} capacity +1 (${_cost(view, r):g}/h): {s.name.replace('_', ' ')} eases"
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,7 +53,7 @@ def param_path(loc) -> str | None:
     return ".".join(parts[1:] if parts[:1] in (["body"], ["query"], ["path"]) else parts) or None
 
 
-def most_telling(errors: list[dict]) -> dict:
+def most_telling(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The first error, or where a union's branches all failed on it, the branch that matched the
     input's type and got furthest: `content: [{"type": "text"}]` fails as a string and as a list
     of parts without `text`; the second says what is wrong."""
@@ -107,11 +108,12 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 def install_error_handlers(api: FastAPI) -> None:
     """Every error the API can meet answered in OpenAI's JSON shape, with its status."""
-    api.add_exception_handler(APIError, _api_error)
-    api.add_exception_handler(RequestValidationError, _validation_error)
-    api.add_exception_handler(NoReplicaError, _no_replica)
-    api.add_exception_handler(EngineError, _engine_failed)
-    api.add_exception_handler(ChannelClosed, _engine_failed)
-    api.add_exception_handler(RequestTimeout, _timeout_error)
-    api.add_exception_handler(Exception, _unexpected_error)
-    api.add_exception_handler(StarletteHTTPException, _http_error)
+    # FastAPI's decorator form: Starlette's add_exception_handler types every handler as taking any Exception
+    api.exception_handler(APIError)(_api_error)
+    api.exception_handler(RequestValidationError)(_validation_error)
+    api.exception_handler(NoReplicaError)(_no_replica)
+    api.exception_handler(EngineError)(_engine_failed)
+    api.exception_handler(ChannelClosed)(_engine_failed)
+    api.exception_handler(RequestTimeout)(_timeout_error)
+    api.exception_handler(Exception)(_unexpected_error)
+    api.exception_handler(StarletteHTTPException)(_http_error)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Annotated, Any
 
@@ -46,7 +46,7 @@ from app.conductor.journal import JOURNAL_CAPACITY
 from app.conductor.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine.devmodel import resolve_model_source
-from app.engine.token_channel import SamplingOptions
+from app.engine.token_channel import SamplingOptions, TokenLogprob
 from app.telemetry.replica_logging import log_to_stderr
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class ConductorIngress:
         tokenizer drops a word's leading space."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text) :]
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([self._anchor, token_id]))[len(self._anchor_text) :]
         return text
 
     def _logit_bias(self, body: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
@@ -202,15 +202,17 @@ class ConductorIngress:
             raise APIError(400, "This model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            # a list of ids, or a BatchEncoding (by transformers' version)
+            ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
-        prompts = body.prompts()
-        if isinstance(prompts[0], str):
-            return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+        texts = body.prompt_texts()
+        if texts is not None:
+            return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        prompts = body.prompt_ids() or []
         vocab = len(self.tokenizer)
         for i, ids in enumerate(prompts):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -234,7 +236,7 @@ class ConductorIngress:
         request_id: str,
         gens: list[GenerationRequest],
         render: ChatRenderer | CompletionRenderer,
-        echoes: list[Echo] | None = None,
+        echoes: Sequence[Echo | None] | None = None,
     ):
         """`echoes`: per choice, the prompt a completion repeats before its text."""
         seats = self.admission.seats(key, len(gens))
@@ -251,7 +253,7 @@ class ConductorIngress:
         usage = self._usage(body, gens, sum(tokens for _, tokens in choices))
         return render.whole([choice for choice, _ in choices], usage, want_ids)
 
-    def _outputs(self, gen: GenerationRequest, echo: Echo | None) -> AsyncIterator[Output]:
+    def _outputs(self, gen: GenerationRequest, echo: Echo | None) -> AsyncGenerator[Output, None]:
         outputs = self.conductor.generate(gen)
         return outputs if echo is None or echo.generates else prompt_only(outputs)
 
@@ -259,7 +261,7 @@ class ConductorIngress:
         """One choice's answer and its completion tokens."""
         parts: list[str] = []
         ids: list[int] = []
-        logprobs = None if gen.sampling.logprobs is None else []
+        logprobs: list[TokenLogprob] | None = None if gen.sampling.logprobs is None else []
         prompt_logprobs = None
         async for out in self._outputs(gen, echo):
             parts.append(out.text)
@@ -275,12 +277,12 @@ class ConductorIngress:
         body: ChatCompletionRequest | CompletionRequest,
         request_id: str,
         gens: list[GenerationRequest],
-        echoes: list[Echo | None],
+        echoes: Sequence[Echo | None],
         seats: Seats,
         render,
         want_usage: bool,
         want_ids: bool,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Every choice's chunks as they come, each with its index; usage once all have finished."""
         completion_tokens = 0
         echoing = {index for index, echo in enumerate(echoes) if echo is not None}
@@ -338,7 +340,7 @@ class ConductorIngress:
         request_id, gens = self._generation_requests(body, prompts, body.requested_max_tokens(), "cmpl", body.requested_prompt_logprobs())
         echoes = None
         if body.echo:
-            texts = body.prompts() if isinstance(body.prompts()[0], str) else self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+            texts = body.prompt_texts() or self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
             echoes = [Echo(text, ids, body.max_tokens != 0) for text, ids in zip(texts, prompts) for _ in range(body.n or 1)]
         return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text), echoes)
 

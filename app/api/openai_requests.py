@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, field_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 from app.config import Mode
 
@@ -53,19 +54,27 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-def _unsupported(why: str, *neutral: Any) -> Any:
+class Unsupported:
     """A known OpenAI field this server does not serve: accepted at a value that asks
-    for nothing (null, or what SDKs send by default), refused with the reason otherwise."""
-    accepted = (None, *neutral)
+    for nothing (null, or what SDKs send by default), refused with the reason otherwise.
+    Annotated metadata: `tools: Annotated[Any, Unsupported("why", [])] = None`."""
 
-    def check(given):
+    def __init__(self, why: str, *neutral: Any):
+        self.why = why
+        self.accepted = (None, *neutral)
+
+    def check(self, given: Any) -> Any:
         # by type too: 0 == False and 1 == True would let a different request through
-        if not any(type(given) is type(v) and given == v for v in accepted):
-            shown = " or ".join("null" if v is None else json.dumps(v) for v in accepted)
-            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}", {"why": why, "shown": shown})
+        if not any(type(given) is type(v) and given == v for v in self.accepted):
+            shown = " or ".join("null" if v is None else json.dumps(v) for v in self.accepted)
+            raise PydanticCustomError("unsupported_parameter", "not supported ({why}); leave it out or send {shown}", {"why": self.why, "shown": shown})
         return given
 
-    return Annotated[Any, AfterValidator(check), Field(description=f"Not supported ({why})", json_schema_extra={"enum": list(accepted)})]
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {**handler(schema), "description": f"Not supported ({self.why})", "enum": list(self.accepted)}
 
 
 _TEXT_ONLY = "this server returns plain text"
@@ -145,25 +154,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = Field(default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases)")
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, description="With logprobs: the most likely tokens at each place")
-    tools: _unsupported(_TEXT_ONLY, []) = None
-    tool_choice: _unsupported(_TEXT_ONLY, "none") = None
-    parallel_tool_calls: _unsupported(_TEXT_ONLY, True, False) = None
-    functions: _unsupported(_TEXT_ONLY, []) = None
-    function_call: _unsupported(_TEXT_ONLY, "none") = None
-    response_format: _unsupported(_TEXT_ONLY, {"type": "text"}) = None
-    modalities: _unsupported(_TEXT_ONLY, ["text"]) = None
-    audio: _unsupported(_TEXT_ONLY) = None
-    web_search_options: _unsupported("no web search") = None
-    prediction: _unsupported("no predicted outputs") = None
-    moderation: _unsupported("no moderation") = None
-    reasoning_effort: _unsupported("not a reasoning model") = None
-    verbosity: _unsupported("not a reasoning model") = None
-    store: _unsupported("completions are not stored", False) = None
+    tools: Annotated[Any, Unsupported(_TEXT_ONLY, [])] = None
+    tool_choice: Annotated[Any, Unsupported(_TEXT_ONLY, "none")] = None
+    parallel_tool_calls: Annotated[Any, Unsupported(_TEXT_ONLY, True, False)] = None
+    functions: Annotated[Any, Unsupported(_TEXT_ONLY, [])] = None
+    function_call: Annotated[Any, Unsupported(_TEXT_ONLY, "none")] = None
+    response_format: Annotated[Any, Unsupported(_TEXT_ONLY, {"type": "text"})] = None
+    modalities: Annotated[Any, Unsupported(_TEXT_ONLY, ["text"])] = None
+    audio: Annotated[Any, Unsupported(_TEXT_ONLY)] = None
+    web_search_options: Annotated[Any, Unsupported("no web search")] = None
+    prediction: Annotated[Any, Unsupported("no predicted outputs")] = None
+    moderation: Annotated[Any, Unsupported("no moderation")] = None
+    reasoning_effort: Annotated[Any, Unsupported("not a reasoning model")] = None
+    verbosity: Annotated[Any, Unsupported("not a reasoning model")] = None
+    store: Annotated[Any, Unsupported("completions are not stored", False)] = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(default=None, description="Accepted for clients that tag requests; not stored")
-    service_tier: _unsupported("one service tier", "auto", "default") = None
+    service_tier: Annotated[Any, Unsupported("one service tier", "auto", "default")] = None
     prompt_cache_key: str | None = Field(default=None, description="Accepted; routing finds cached prefixes from the prompt itself")
-    prompt_cache_retention: _unsupported("cached prefixes live while engines keep them", "in_memory") = None
-    prompt_cache_options: _unsupported("cached prefixes live while engines keep them") = None
+    prompt_cache_retention: Annotated[Any, Unsupported("cached prefixes live while engines keep them", "in_memory")] = None
+    prompt_cache_options: Annotated[Any, Unsupported("cached prefixes live while engines keep them")] = None
     safety_identifier: str | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -195,8 +204,8 @@ class CompletionRequest(_SamplingFields):
         description="Repeat the prompt before the completion; with logprobs, its tokens' log probabilities too "
         "(the first token's are null: nothing comes before it)",
     )
-    best_of: _unsupported("choices are not ranked", 1) = None
-    suffix: _unsupported("no insertion", "") = None
+    best_of: Annotated[Any, Unsupported("choices are not ranked", 1)] = None
+    suffix: Annotated[Any, Unsupported("no insertion", "")] = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens == 0 and not self.echo:
@@ -211,7 +220,18 @@ class CompletionRequest(_SamplingFields):
         """Alternatives per prompt token (echo with logprobs), or None."""
         return self.logprobs if self.echo else None
 
-    def prompts(self) -> list[str] | list[list[int]]:
-        """The batch, a single prompt as a batch of one."""
+    def prompt_texts(self) -> list[str] | None:
+        """The batch when given as text (a single prompt as a batch of one), else None."""
         p = self.prompt
-        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
+        if isinstance(p, str):
+            return [p]
+        return [t for t in p if isinstance(t, str)] or None
+
+    def prompt_ids(self) -> list[list[int]] | None:
+        """The batch when given as token ids (a single prompt as a batch of one), else None."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], str):
+            return None
+        if isinstance(p[0], int):
+            return [[t for t in p if isinstance(t, int)]]
+        return [ids for ids in p if isinstance(ids, list)]

@@ -137,7 +137,7 @@ class Choice(NamedTuple):
 
     text: str
     finish_reason: str | None
-    token_ids: list[int] | None
+    token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     echo: Echo | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -264,7 +264,7 @@ class CompletionRenderer:
         """An echoed prompt's tokens: the first with null log probabilities (nothing before it)."""
         if logprobs is None:
             return None
-        rest = self._logprobs(echo.token_ids[1:], logprobs, len(self.token_text(echo.token_ids[0])))
+        rest = self._scored(echo.token_ids[1:], logprobs, len(self.token_text(echo.token_ids[0])))
         return CompletionLogprobs(
             tokens=[self.token_text(echo.token_ids[0]), *rest.tokens],
             token_logprobs=[None, *rest.token_logprobs],
@@ -273,11 +273,12 @@ class CompletionRenderer:
         )
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
-        if logprobs is None:
-            return None
+        return None if logprobs is None else self._scored(token_ids, logprobs, offset)
+
+    def _scored(self, token_ids: list[int], logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         tokens = [self.token_text(t) for t in token_ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[: len(tokens)]
-        top = [{token: lp.logprob, **{self.token_text(t): v for t, v in lp.top}} for token, lp in zip(tokens, logprobs)]
+        top: list[dict[str, float] | None] = [{token: lp.logprob, **{self.token_text(t): v for t, v in lp.top}} for token, lp in zip(tokens, logprobs)]
         return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top, text_offset=offsets)
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -26,7 +26,7 @@ async def all_of(coros: list[Awaitable[T]]) -> list[T]:
             task.cancel()
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """(index, item) from every stream as each item comes; the first failure stops the others
     and is raised as itself."""
     if len(streams) == 1:  # the common case, without a task per item
@@ -36,7 +36,7 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((index, item, None))
@@ -64,7 +64,7 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
 _DONE = object()
 
 
-async def prompt_only(outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
+async def prompt_only(outputs: AsyncGenerator[Output, None]) -> AsyncGenerator[Output, None]:
     """An echoed prompt that is not continued (max_tokens 0): the prompt's log probabilities
     and a `length` finish, without the engines' one token."""
     async with aclosing(outputs) as stream:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from app.conductor.engine_ops import EngineOps, lease_of
@@ -13,7 +13,7 @@ from app.engine.token_channel import EngineRequest
 from app.policy import Pipeline
 
 
-async def colocated(ops: EngineOps, req: GenerationRequest, journey: Journey, role: RoleName) -> AsyncIterator[Tokens]:
+async def colocated(ops: EngineOps, req: GenerationRequest, journey: Journey, role: RoleName) -> AsyncGenerator[Tokens, None]:
     """One engine computes the prompt and every token."""
     journey.pipeline = journey.pipeline or Pipeline.colocated.value
     keys = ops.placement.keys(req.prompt_token_ids)
@@ -26,7 +26,7 @@ async def colocated(ops: EngineOps, req: GenerationRequest, journey: Journey, ro
 
 async def disaggregated(
     ops: EngineOps, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool
-) -> AsyncIterator[Tokens]:
+) -> AsyncGenerator[Tokens, None]:
     """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
 
     pd_cross_dc_naive ships the whole prompt KV across the WAN (no decoder-side prefix

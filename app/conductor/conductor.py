@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,13 +64,12 @@ class TokenClock:
     def tick(self) -> bool:
         """Tokens arrived now; True for the first ones."""
         now = time.monotonic()
-        first = self.last_at is None
-        if first:
+        last, self.last_at = self.last_at, now
+        if last is None:
             self.first_at = now
-        else:
-            self.max_gap = max(self.max_gap, now - self.last_at)
-        self.last_at = now
-        return first
+            return True
+        self.max_gap = max(self.max_gap, now - last)
+        return False
 
     def close(self, journey: Journey) -> None:
         first, last = self.first_at, self.last_at
@@ -103,7 +102,7 @@ class Conductor:
         for name, value in numeric_knobs(knobs).items():
             metrics.registry().set(metrics.KNOB, value, knob=name)
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Output]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
         self.placement.keeper.keep_saved(lambda: self.placement.index)
         journey = self.journal.add(
             Journey(request_id=req.request_id, mode=req.mode.value, prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
@@ -173,7 +172,7 @@ class Conductor:
             raise EngineError(f"the {first.role.value} engine sent no prompt log probabilities")
         return first.prompt_logprobs
 
-    async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
+    async def _pipeline(self, req: GenerationRequest, journey: Journey) -> AsyncGenerator[Tokens, None]:
         if req.mode is Mode.colocated:
             stream = colocated(self.ops, req, journey, RoleName.main_decode)
         elif req.mode is Mode.pd_intra_dc:

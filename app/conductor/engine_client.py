@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from ray.serve.handle import DeploymentHandle
@@ -94,8 +94,13 @@ class EngineClient:
 
     def live_replica_ids(self) -> set[str] | None:
         """Every role's replicas Serve routes to now; None until each role's router has its first set."""
-        sets = [live_replicas(DEPLOYMENT_NAMES[role]) for role in self._handles]
-        return None if any(s is None for s in sets) else set().union(*sets)
+        ids: set[str] = set()
+        for role in self._handles:
+            live = live_replicas(DEPLOYMENT_NAMES[role])
+            if live is None:
+                return None
+            ids |= live
+        return ids
 
     def _healthy(self, live: frozenset[str]) -> list[ReplicaInfo]:
         now = time.monotonic()
@@ -151,7 +156,7 @@ class EngineClient:
             channel = self._channels[info.replica_id] = TokenStreamClient(info.node_ip, info.token_port)
         return channel
 
-    async def stream(self, replica: ReplicaInfo, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def stream(self, replica: ReplicaInfo, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         """Stream one request on one replica; leaving early aborts it there."""
         async with aclosing(self._channel(replica).stream(request)) as stream:
             async for delta in stream:

@@ -9,7 +9,7 @@ client leaves first) the prefix index learns what that replica's cache now holds
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +83,7 @@ class EngineOps:
             return last, replica
         raise PrefillUnavailable("every prefill replica failed")
 
-    async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncIterator[EngineDelta]:
+    async def decode_stream(self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, journey: Journey) -> AsyncGenerator[EngineDelta, None]:
         """An engine stream whose transfer report lands in the journey; its pull joins the
         link's backlog until the pull's report, or its first token without one (a decoder
         whose cache held the whole prompt pulls nothing and reports nothing), says what it moved."""
@@ -108,7 +108,7 @@ class EngineOps:
 
     async def follow(
         self, role: RoleName, replica: ReplicaInfo, request: EngineRequest, req: GenerationRequest, journey: Journey, before: list[int]
-    ) -> AsyncIterator[tuple[RoleName, EngineDelta]]:
+    ) -> AsyncGenerator[tuple[RoleName, EngineDelta], None]:
         """Stream `request`, whose prompt is the user's prompt + `before` (tokens the
         client already has). If its engine fails mid-stream, the request goes on
         elsewhere from prompt + every token sent so far (extend-decode), so the
@@ -155,7 +155,7 @@ class EngineOps:
         *,
         keys: list[int] | None,
         learn: bool = True,
-    ) -> AsyncIterator[tuple[RoleName, EngineDelta]]:
+    ) -> AsyncGenerator[tuple[RoleName, EngineDelta], None]:
         """`follow`, after which the index learns what `replica` holds: the prompt and
         `before` and every token it produced, also when the client's stream ends first (a
         stop string). With `keys` (the prompt's), the engine's real hit corrects the
@@ -196,7 +196,7 @@ class EngineOps:
         cache_salt: str | None = None,
         hold_first: bool = False,
         expected_bytes: int = 0,
-    ) -> AsyncIterator[Tokens]:
+    ) -> AsyncGenerator[Tokens, None]:
         """A decoder pulls the prompt KV from the lease and decodes after the first token.
 
         `cache_salt`: a unique one keeps the decoder's prefix cache out of it, so

@@ -40,7 +40,7 @@ class LinkDirectory:
     async def _view(self) -> None:
         """The first call (on each event loop) starts the poll and, with any calls
         beside it, waits for the first answers; later calls read the view."""
-        if self._poller is None or self._poller.done():
+        if self._first is None or self._poller is None or self._poller.done():
             self._first = asyncio.create_task(self.refresh())
             self._poller = asyncio.create_task(self._poll())
         if not self._first.done():

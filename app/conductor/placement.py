@@ -49,7 +49,7 @@ class Placement:
         infos = {i.replica_id: i for i in await self._engines.replicas(role)}
         if not infos:
             raise NoReplicaError(f"no live {role.value} replica")
-        room = affinity_room(self._config.roles.get(role).engine)
+        room = affinity_room(self._config.roles.of(role).engine)
         choice = self.index.choose({rid: i.num_kv_blocks for rid, i in infos.items()}, keys, self._engines.load, room)
         journey.replicas[role.value] = choice.replica_id
         replica = infos[choice.replica_id]

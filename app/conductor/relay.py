@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 def occupancy(ops: EngineOps, role: RoleName, replica: ReplicaInfo) -> float:
     """Requests the conductor has in flight on `replica` over its batch limit."""
-    return ops.engines.load(replica.replica_id) / ops.config.roles.get(role).engine.max_num_seqs
+    return ops.engines.load(replica.replica_id) / ops.config.roles.of(role).engine.max_num_seqs
 
 
 async def rld_load(ops: EngineOps) -> tuple[ReplicaInfo | None, float]:
@@ -66,7 +66,7 @@ async def rld_load(ops: EngineOps) -> tuple[ReplicaInfo | None, float]:
     return best, occupancy(ops, RoleName.relay_decode, best)
 
 
-async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey) -> AsyncIterator[Tokens]:
+async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey) -> AsyncGenerator[Tokens, None]:
     keys = ops.placement.keys(req.prompt_token_ids)
     try:
         md, md_cached = await ops.placement.route(RoleName.main_decode, keys, journey)
@@ -118,17 +118,22 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
     yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
     wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
+    # choose_pipeline names only pipelines whose decoders are alive; a relay hands MD P's lease
     if decision.pipeline is Pipeline.p_md:
+        assert md is not None
         await ops.placement.await_warm(pending)
         stream = ops.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
     elif decision.pipeline is Pipeline.p_rld:
         if md is not None:  # singular, or WAN down: MD never sees this request
             ops.placement.unroute(md, keys)
+        assert rld is not None
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = ops.continue_on(RoleName.relay_decode, rld, req, journey, first, lease, keys)
     elif decision.pipeline is Pipeline.p_p_md:  # no relay decoder alive: P relays what it prefilled
+        assert md is not None and lease is not None
         stream = Relay(ops, req, journey, md, RoleName.prefill, p, p, first, lease, keys, occupancy(ops, RoleName.prefill, p), wan_bytes, pending).run()
     else:
+        assert md is not None and rld is not None and lease is not None
         journey.replicas[RoleName.relay_decode.value] = rld.replica_id
         stream = Relay(ops, req, journey, md, RoleName.relay_decode, rld, p, first, lease, keys, load, wan_bytes, pending).run()
     async with aclosing(stream):
@@ -207,7 +212,7 @@ class Relay:
         finally:
             queue.put_nowait(_END)
 
-    async def run(self) -> AsyncIterator[Tokens]:
+    async def run(self) -> AsyncGenerator[Tokens, None]:
         """RLD relays while MD warms and catches up (RelayMachine decides each step), then MD
         continues the stream; or RLD finishes the request, and MD catches up in the background."""
         warm = self._md_request("warm", list(self.out), 1, await self.ops.pull_params(self.lease, self.md.datacenter, self.wan_bytes))
@@ -287,7 +292,8 @@ class Relay:
             # RLD's request ends at its cap: its batch slot is what the cap protects, and past
             # it its tokens would only be discarded (an MD that fails now is replaced by the
             # final step's failover, not by RLD)
-            self.pump.cancel()
+            if self.pump is not None:
+                self.pump.cancel()
         else:
             self.next_item = asyncio.create_task(self.queue.get())
         return Tokens(tokens, self.relay_role, logprobs=logprobs) if tokens else None
@@ -313,7 +319,7 @@ class Relay:
         self.md_task = None
         self.journey.handoff = {"mode": "none", "point": len(self.out), "reason": reason}
 
-    async def _final_step(self) -> AsyncIterator[Tokens]:
+    async def _final_step(self) -> AsyncGenerator[Tokens, None]:
         """RLD is stopped (its request aborted), and MD continues from every token the client has."""
         req, machine = self.req, self.machine
         discarded = sum(len(d.token_ids) for d in _drain(self.queue))

@@ -40,8 +40,8 @@ class PDDConfig(StrictModel):
                 known = ", ".join(sorted(self.node_groups)) or "none"
                 raise ValueError(f"roles.{role.value}.node_group: unknown node group '{rc.node_group}' (known: {known})")
         for role in MODE_ROLES[self.mode]:
-            rc = self.roles.get(role)
-            if rc is None or rc.replicas < 1:
+            given = self.roles.get(role)
+            if given is None or given.replicas < 1:
                 raise ValueError(f"roles.{role.value}: mode '{self.mode.value}' needs at least one replica")
         if self.mode in (Mode.pd_intra_dc,):
             p, d = self.datacenter_of(RoleName.prefill), self.datacenter_of(RoleName.relay_decode)
@@ -62,10 +62,7 @@ class PDDConfig(StrictModel):
         return self
 
     def datacenter_of(self, role: RoleName) -> str:
-        rc = self.roles.get(role)
-        if rc is None:
-            raise KeyError(role)
-        return self.node_groups[rc.node_group].datacenter
+        return self.node_groups[self.roles.of(role).node_group].datacenter
 
     def datacenter_pairs_used(self) -> set[tuple[str, str]]:
         """Datacenter pairs KV may cross between the roles present."""

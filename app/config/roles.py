@@ -85,5 +85,12 @@ class Roles(StrictModel):
     def get(self, role: RoleName) -> RoleConfig | None:
         return getattr(self, role.value)
 
+    def of(self, role: RoleName) -> RoleConfig:
+        """A role the caller knows is configured (its mode needs it)."""
+        rc = self.get(role)
+        if rc is None:
+            raise KeyError(f"roles.{role.value} is not configured")
+        return rc
+
     def present(self) -> dict[RoleName, RoleConfig]:
         return {r: c for r in RoleName if (c := self.get(r)) is not None}

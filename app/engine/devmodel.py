@@ -120,7 +120,7 @@ def build_devmodel(target: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         initializer_range=0.2,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
@@ -182,8 +182,8 @@ def ensure_llama8b_shape(cache_dir: Path | None = None) -> Path:
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=131072,
-        rope_theta=500000.0,
-        torch_dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        dtype="bfloat16",
         tie_word_embeddings=False,
     ).save_pretrained(tmp)
     if target.exists():

@@ -26,9 +26,7 @@ RUNNER_ENV = {"v1": "0", "v2": "1", "auto": None}
 def engine_env(config: PDDConfig, role: RoleName, environ: Mapping[str, str]) -> dict[str, str | None]:
     """The variables a role's engine reads at start, given the environment it would
     inherit (None: unset). The operator's settings win, except the model runner's."""
-    rc = config.roles.get(role)
-    if rc is None:
-        raise KeyError(f"roles.{role.value} is not configured")
+    rc = config.roles.of(role)
     # The runner is the config's choice: on CUDA vLLM would pick V2, where carried sampling does not run.
     runner = RUNNER_ENV[rc.engine.model_runner]
     inherited = environ.get("VLLM_USE_V2_MODEL_RUNNER")

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
             "concurrent_pulls": config.kv.concurrent_pulls,
             "pull_order": config.kv.pull_order.value,
             "owner_pid": owner_pid,
-            "record_steps": config.roles.get(role).engine.record_steps,
+            "record_steps": config.roles.of(role).engine.record_steps,
         },
     )
 
@@ -142,10 +142,7 @@ def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = Non
     """AsyncEngineArgs for one role, from the config alone."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    rc = config.roles.get(role)
-    if rc is None:
-        raise KeyError(f"roles.{role.value} is not configured")
-    e = rc.engine
+    e = config.roles.of(role).engine
     kwargs: dict[str, Any] = dict(
         model=resolve_model_source(config.model.source),
         served_model_name=config.model.served_name,
@@ -216,7 +213,7 @@ class EngineServer:
             self.block_size,
         )
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -316,7 +313,7 @@ class EngineServer:
         self.engine.shutdown()
 
 
-def token_logprobs(token_ids: list[int], positions, top: int) -> list[TokenLogprob]:
+def token_logprobs(token_ids: Sequence[int], positions, top: int) -> list[TokenLogprob]:
     """vLLM's logprobs of new tokens (per position: token id -> Logprob with its rank) as
     each token's own log probability and the `top` most likely tokens, best first."""
     out = []

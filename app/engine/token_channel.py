@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -132,6 +133,10 @@ async def _read_frame(reader: asyncio.StreamReader) -> Frame:
     return _decoder.decode(await reader.readexactly(size))
 
 
+def _forget(tasks: dict[str, asyncio.Task], request_id: str, _done: asyncio.Task) -> None:
+    tasks.pop(request_id, None)
+
+
 class _FrameWriter:
     """Coalesces frames written in one loop turn into one write."""
 
@@ -166,7 +171,7 @@ class _FrameWriter:
 
 # ---- engine side -------------------------------------------------------------
 
-DeltaSource = Callable[[EngineRequest], AsyncIterator[EngineDelta]]
+DeltaSource = Callable[[EngineRequest], AsyncGenerator[EngineDelta, None]]
 
 
 class TokenStreamServer:
@@ -192,13 +197,12 @@ class TokenStreamServer:
             while True:
                 frame = await _read_frame(reader)
                 if isinstance(frame, EngineRequest):
-                    task = asyncio.create_task(self._run(frame, out))
-                    tasks[frame.request_id] = task
-                    task.add_done_callback(lambda _t, rid=frame.request_id: tasks.pop(rid, None))
+                    task = tasks[frame.request_id] = asyncio.create_task(self._run(frame, out))
+                    task.add_done_callback(functools.partial(_forget, tasks, frame.request_id))
                 elif isinstance(frame, AbortRequest):
-                    task = tasks.pop(frame.request_id, None)
-                    if task is not None:
-                        task.cancel()
+                    running = tasks.pop(frame.request_id, None)
+                    if running is not None:
+                        running.cancel()
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
             pass
         finally:
@@ -274,7 +278,7 @@ class TokenStreamClient:
             for queue in self._streams.values():
                 queue.put_nowait(None)
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def stream(self, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         """Deltas of one request until the finished one; leaving early aborts it."""
         rid = request.request_id
         if rid in self._streams:

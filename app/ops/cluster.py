@@ -14,6 +14,7 @@ token does not cross Serve's Python proxy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -198,7 +199,7 @@ def connected(address: str | None = None) -> Iterator[None]:
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == address:
         yield
         return
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         yield
     finally:

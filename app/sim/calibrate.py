@@ -168,9 +168,9 @@ async def measure(
                 continue
             step_ms = []
             for _ in range(repeats):
-                runs = await asyncio.gather(*(_generate(engine, prompts(context), decode_tokens) for _ in range(seqs)))
-                last = max(runs, key=lambda t: t[0])
-                end = min(t[-1] for t in runs)
+                arrivals = await asyncio.gather(*(_generate(engine, prompts(context), decode_tokens) for _ in range(seqs)))
+                last = max(arrivals, key=lambda t: t[0])
+                end = min(t[-1] for t in arrivals)
                 if steps := sum(1 for t in last if last[0] < t <= end):
                     step_ms.append((end - last[0]) * 1000 / steps)
             if not step_ms:

@@ -20,7 +20,7 @@ of the role requests enter by.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,12 @@ from rich.console import Console
 from app.config import Mode, PDDConfig, RoleName
 from app.config.file import ConfigError, format_validation_error, load_config
 from app.sim.calibrate import with_model_spec
-from app.sim.cluster import SimConfigError, derive, entry_role
+from app.sim.cluster import PerfArg, SimConfigError, derive, entry_role
 from app.sim.parallel import Report, check_jobs, run_all
 from app.sim.perf import FittedPerf
 from app.sim.report import plot_bathtub, plot_ttft_cdf, summary_table
 from app.sim.run import SearchResult, SimRun, Workload, agentic_at, goodput_search, hit_sweep, simulate, trace_at
-from app.sim.workload import AgenticWorkload, check_window, fitted_to_window, read_trace
+from app.sim.workload import AgenticWorkload, Request, check_window, fitted_to_window, read_trace
 
 console = Console()
 cli = typer.Typer(help="Digital twin: simulate a serve config at datacenter scale.", no_args_is_help=True)
@@ -72,7 +72,7 @@ def _workload(spec: str, rps: float, requests: int, seed: int, max_model_len: in
     return None, trace
 
 
-def _simulate(run: tuple[PDDConfig, Workload, object, int, bool], report: Report) -> SimRun:
+def _simulate(run: tuple[PDDConfig, Workload, PerfArg, int, bool], report: Report) -> SimRun:
     config, workload, perf, seed, warm_start = run
     return simulate(config, workload, perf, seed, progress=report, warm_start=warm_start)
 
@@ -88,7 +88,7 @@ def _simulate_each(configs: list[PDDConfig], workload: Workload, total: int, per
         )
 
 
-def _search(search: tuple[PDDConfig, object, float, object, int, float, bool], report: Report) -> SearchResult:
+def _search(search: tuple[PDDConfig, Callable[[float], Iterable[Request]], float, PerfArg, int, float, bool], report: Report) -> SearchResult:
     config, at, lo, perf, seed, warmup, warm_start = search
     return goodput_search(
         config, at, lo=lo, perf=perf, seed=seed, warmup=warmup, warm_start=warm_start, on_probe=lambda rps, s: report((rps, s.slo_attainment))
@@ -156,12 +156,13 @@ def sim(
     written = [cdf]
     if at is not None:
         doc["search"] = _goodput_search(configs, [(c, at, min(0.5, rps), perf_model, seed, warmup, not cold_start) for c in configs], jobs)
-    if sweep_hit and template is None:
-        console.print("[yellow]--sweep-hit needs a generated workload, not a trace[/yellow]")
-    elif sweep_hit:
-        sweep = dict(perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start, jobs=jobs)
-        doc["hit_sweep"] = _sweep_hit(config, derive(config, mode=baseline), template, out / "sim_bathtub.png", sweep)
-        written.append(out / "sim_bathtub.png")
+    if sweep_hit:
+        if template is None:
+            console.print("[yellow]--sweep-hit needs a generated workload, not a trace[/yellow]")
+        else:
+            sweep = dict(perf=perf_model, seed=seed, warmup=warmup, warm_start=not cold_start, jobs=jobs)
+            doc["hit_sweep"] = _sweep_hit(config, derive(config, mode=baseline), template, out / "sim_bathtub.png", sweep)
+            written.append(out / "sim_bathtub.png")
     if json_path is not None:
         json_path.write_text(json.dumps(doc, indent=2, default=float))
         written.append(json_path)

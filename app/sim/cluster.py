@@ -46,6 +46,14 @@ def derive(config: PDDConfig, **update: Any) -> PDDConfig:
     return PDDConfig.model_validate(data)
 
 
+def role_config(config: PDDConfig, role: RoleName) -> RoleConfig:
+    """The role's section of the config; a role the mode uses is always there (PDDConfig checks)."""
+    rc = config.roles.get(role)
+    if rc is None:
+        raise SimConfigError(f"roles.{role.value}: not in the config")
+    return rc
+
+
 def model_spec(config: PDDConfig) -> ModelSpec:
     if config.model.spec is None:
         raise SimConfigError("model.spec: the twin needs the model's size figures (active_params_b, kv_bytes_per_token)")
@@ -53,7 +61,7 @@ def model_spec(config: PDDConfig) -> ModelSpec:
 
 
 def gpus_per_replica(config: PDDConfig, role: RoleName) -> int:
-    rc = config.roles.get(role)
+    rc = role_config(config, role)
     group = config.node_groups[rc.node_group]
     return max(1, round(group.num_gpus)) if group.num_gpus > 0 else rc.engine.tensor_parallel_size
 
@@ -64,7 +72,7 @@ def entry_role(mode: Mode) -> RoleName:
 
 
 def role_perf(config: PDDConfig, role: RoleName, perf: PerfArg) -> PerfModel:
-    rc = config.roles.get(role)
+    rc = role_config(config, role)
     if perf is not None and not isinstance(perf, Mapping):
         return perf
     if isinstance(perf, Mapping):
@@ -78,7 +86,7 @@ def role_perf(config: PDDConfig, role: RoleName, perf: PerfArg) -> PerfModel:
 
 
 def kv_capacity_tokens(config: PDDConfig, role: RoleName, fitted: bool) -> int:
-    rc: RoleConfig = config.roles.get(role)
+    rc = role_config(config, role)
     spec = config.node_groups[rc.node_group].spec
     ms = model_spec(config)
     if spec is None or fitted:
@@ -98,7 +106,7 @@ def cost_per_hour(config: PDDConfig, mode: Mode | None = None) -> float:
     """Hardware cost of the roles the mode uses: cost_per_hour x replicas."""
     total = 0.0
     for role in MODE_ROLES[mode or config.mode]:
-        rc = config.roles.get(role)
+        rc = role_config(config, role)
         total += config.node_groups[rc.node_group].cost_per_hour * rc.replicas
     return total
 

@@ -144,8 +144,10 @@ class Instance:
         if seq.state == DONE:
             return seq.n, -1.0
         state = self.state
+        ramp = self.ramp
         if state == EPOCH:
-            k = self.ramp.steps_within(t - self.t0)
+            assert ramp is not None  # an epoch runs on its ramp
+            k = ramp.steps_within(t - self.t0)
             idx = self.s0 + (k if k < self.m else self.m)
         else:
             idx = self.steps
@@ -155,7 +157,8 @@ class Instance:
         if produced <= 0:
             return 0, -1.0
         if state == EPOCH:
-            return produced, self.t0 + self.ramp.cum(idx - self.s0)
+            assert ramp is not None
+            return produced, self.t0 + ramp.cum(idx - self.s0)
         # a step in flight started at the last boundary; between steps, the boundary is now
         return produced, self.t0 if state == STEP else self.loop.now
 
@@ -189,11 +192,13 @@ class Instance:
         if (not self.prefill_q or self.n >= self.max_batched) and (not self.join_q or self.n >= self.max_seqs):
             return
         self.cut = True
-        k = self.ramp.steps_within(now - self.t0) + 1
+        ramp = self.ramp
+        assert ramp is not None  # only an epoch is cut
+        k = ramp.steps_within(now - self.t0) + 1
         if k < self.m:
             self.m = k
             self.version += 1
-            self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
+            self.loop.at(self.t0 + ramp.cum(k), self._epoch_end, self.version)
 
     @cython.locals(seq=Seq)
     def _admit_joins(self) -> list[Seq]:
@@ -294,6 +299,7 @@ class Instance:
             self.host.changed(self, now)
 
     def _slowdown(self) -> float:
+        assert self.host is not None  # only a replica sharing a host slows down
         return 1.0 + self.neighbor_slowdown * (self.host.busy - self.busy)
 
     def _rescale(self, now: float) -> None:
@@ -314,11 +320,13 @@ class Instance:
             self.version += 1
             self.loop.at(now + left, self._step_end, self.version)
         else:
-            k = self.ramp.steps_within(now - self.t0) + 1
+            ramp = self.ramp
+            assert ramp is not None  # an epoch runs on its ramp
+            k = ramp.steps_within(now - self.t0) + 1
             if k < self.m:
                 self.m = k
                 self.version += 1
-                self.loop.at(self.t0 + self.ramp.cum(k), self._epoch_end, self.version)
+                self.loop.at(self.t0 + ramp.cum(k), self._epoch_end, self.version)
 
     @cython.locals(job=PrefillJob)
     def _step_end(self, version: int) -> None:
@@ -360,6 +368,7 @@ class Instance:
         self.steps += m
         self.decode_tokens += m * n
         self.kv += m * n
+        assert self.ramp is not None  # an epoch runs on its ramp
         self._note(self.ramp.step(m - 1))  # steps only grow within an epoch
         self._boundary(now)
         self.state = IDLE

@@ -288,6 +288,7 @@ def busy_neighbors(steps: Mapping[RoleName, Sequence[StepSample]]) -> dict[RoleN
     for role, samples in steps.items():
         out[role] = []
         for s in samples:
+            assert s.start_s is not None  # every step's was checked above
             a, b = s.start_s, s.start_s + s.step_ms / 1000
             others = math.fsum(c.within(a, b) for engine, c in cover.items() if engine != (role, s.engine))
             out[role].append(others / (b - a) if b > a else 0.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.policy import Pipeline
+from app.policy import Pipeline, RelayMachine
 from app.sim.engine import Instance
 from app.sim.pending import Warm
 from app.sim.routing import Conversation, KeyChain
@@ -86,7 +86,7 @@ class Job:
         self.pulls = 0
         self.seq: Seq | None = None
         """The relay's running sequence (None once RLD's request ended: finished, capped or aborted)."""
-        self.relay = None
+        self.relay: RelayMachine | None = None
         """The relay's state machine (app/policy.py RelayMachine), as the conductor runs it."""
         self.relay_tokens = 0
         self.t_relay_last = -1.0

@@ -106,6 +106,7 @@ def run_all(
                         on_done(i, results[i])
     finally:
         if relay is not None:
+            assert queue is not None and manager is not None  # set together with the relay
             queue.put(None)
             relay.join()
             manager.shutdown()

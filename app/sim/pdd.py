@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
@@ -48,12 +49,80 @@ from app.sim.work import WAITING, PrefillJob, Seq
 
 P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive
 
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    from app.config import HandoffConfig, RoutingConfig
+    from app.policy import LinkBacklog, LinkFacts
+    from app.sim.events import Loop
+    from app.sim.network import Link
+    from app.sim.pending import PendingMDWork
+    from app.sim.results import Results
+    from app.sim.routing import KeyChain, RunIndex
+
+    class PipelineHost(Protocol):
+        """What the pipelines' methods use of the class they are part of (`Twin`, app/sim/twin.py):
+        its state and shared steps, and the pipelines' own methods. Type checkers only: the
+        compiled build declares the state on PDDPipelines (pdd.pxd)."""
+
+        loop: Loop
+        block: int
+        block_bytes: int
+        routing: RoutingConfig
+        handoff: HandoffConfig
+        R: list[Instance]
+        intra: Link | None
+        wan: Link | None
+        ow: float
+        wan_facts: LinkFacts | None
+        wan_backlog: LinkBacklog | None
+        pending: PendingMDWork
+        decoder_overhead_s: float
+        index: RunIndex
+        results: Results
+        _cluster_facts: dict[tuple[float, bool, bool, bool], ClusterFacts]
+
+        # Twin's steps every mode shares
+        def _down(self, kind: str) -> bool: ...
+        def _route(self, role: RoleName, keys: KeyChain) -> tuple[Instance, int]: ...
+        def _settle(self, job: Job) -> None: ...
+        def _finish(self, job: Job) -> None: ...
+        def _first_token(self, job: Job, t: float) -> bool: ...
+        def _prefill(self, job: Job, inst: Instance, need: int, cb: Callable[[PrefillJob], None]) -> None: ...
+        def _start_prefill(self, job: Job, cb: Callable[[PrefillJob], None]) -> None: ...
+        def _prefilled(self, job: Job) -> None: ...
+        def _open_decoder(self, job: Job, inst: Instance, prefix_tokens: int) -> None: ...
+        def _decode(
+            self, job: Job, inst: Instance, ctx: int, n: int, t_prev: float, off: float, cb: Callable[[Seq, float], None] | None = None, pulled: bool = False
+        ) -> Seq: ...
+        def _send(self, link: Link, to: Instance, job: Job, blocks: int, done: Callable[[Job], None]) -> None: ...
+        def _pull_done(self, job: Job) -> None: ...
+
+        # PDDPipelines' own
+        def _relay_on(self, job: Job, relay: Instance, load: float) -> None: ...
+        @staticmethod
+        def _streams(inst: Instance) -> int: ...
+        def _pdd_first(self, pj: PrefillJob) -> None: ...
+        def _main_pull(self, job: Job) -> None: ...
+        def _singular_pulled(self, job: Job) -> None: ...
+        def _end_relay(self, job: Job, keep: int) -> None: ...
+        def _relay_pulled(self, job: Job) -> None: ...
+        def _start_relay(self, job: Job) -> None: ...
+        def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None], pulled: bool = False) -> Seq: ...
+        def _relay_stopped(self, seq: Seq, worst: float) -> None: ...
+        def _main_pulled(self, job: Job) -> None: ...
+        def _md_step_done(self, pj: PrefillJob) -> None: ...
+        def _handoff(self, job: Job) -> None: ...
+        def _md_caught_up(self, pj: PrefillJob) -> None: ...
+        def _extend(self, job: Job, sent: int, upto: int, final: bool) -> None: ...
+        def _handed_over(self, pj: PrefillJob) -> None: ...
+
 
 class PDDPipelines:
     """Twin's methods for the pdd mode: `_pdd` starts a request; the rest follow its events."""
 
     @cython.locals(job=Job)
-    def _pdd(self, job: Job) -> None:
+    def _pdd(self: PipelineHost, job: Job) -> None:
         req = job.req
         md, md_cached = None, 0
         if not self._down("main_decode"):  # Placement.route raises when no main decoder is alive
@@ -67,6 +136,7 @@ class PDDPipelines:
         load = rld.streams / rld.max_seqs if rld is not None else 1.0
         key = (load, rld is not None, not self._down("wan"), md is not None)
         facts = self._cluster_facts.get(key)
+        assert self.wan_facts is not None and self.wan_backlog is not None  # the pdd mode's P and MD: a WAN between them
         if facts is None:  # frozen, and few distinct values: built once each
             facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
         queued = self.wan_backlog.queued(self.loop.now)
@@ -76,11 +146,12 @@ class PDDPipelines:
         job.pipe = pipe = decision.pipeline
         job.wan_planned = decision.blocks_to_send * self.block_bytes
         if pipe is P_RLD_MD or pipe is P_RLD:
+            assert rld is not None  # chosen only with a relay decoder alive
             self._relay_on(job, rld, load)
         self._start_prefill(job, self._pdd_first)
 
     @cython.locals(job=Job)
-    def _relay_on(self, job: Job, relay: Instance, load: float) -> None:
+    def _relay_on(self: PipelineHost, job: Job, relay: Instance, load: float) -> None:
         """The relay's instance, and its machine (cap, handoff mode) from its occupancy (relay.Relay)."""
         job.r = relay
         job.relay = RelayMachine.start(self.handoff, load)
@@ -90,10 +161,11 @@ class PDDPipelines:
         return inst.streams
 
     @cython.locals(pj=PrefillJob, job=Job)
-    def _pdd_first(self, pj: PrefillJob) -> None:
+    def _pdd_first(self: PipelineHost, pj: PrefillJob) -> None:
         job: Job = pj.owner
         req = job.req
         self._prefilled(job)
+        assert job.p is not None and job.pl is not None  # P prefilled it
         if self._first_token(job, self.loop.now):
             job.p.close(job.pl, req.prompt_tokens, job.gen)
             self._finish(job)
@@ -103,8 +175,10 @@ class PDDPipelines:
         if pipe is P_RLD:
             if job.md is not None:  # singular, or WAN down: MD never sees this request
                 self.index.unroute(job.md.name, job.keys)
+            assert job.r is not None and self.intra is not None  # _relay_on; the link to RLD's datacenter
             self._open_decoder(job, job.r, req.prefix_tokens)
             job.rl = job.dl
+            assert job.rl is not None  # _open_decoder's lease
             job.pulls = 1
             self._send(self.intra, job.r, job, blocks_missing(prompt, job.rl.hit, self.block), self._singular_pulled)
             return
@@ -114,6 +188,7 @@ class PDDPipelines:
             if pipe is P_P_MD:  # relay.occupancy: P's own, now that its prefill is done
                 self._relay_on(job, job.p, job.p.streams / job.p.max_seqs)
             r = job.r
+            assert r is not None and job.md is not None  # P-RLD-MD, P-P-MD: a relay, and a main decoder alive
             r.streams += 1
             job.rl = r.open(req.session, req.prefix_tokens, job.sess.divs, job.gen)
             if pipe is P_P_MD:  # P holds the prompt: nothing crosses the intra-DC link
@@ -121,55 +196,62 @@ class PDDPipelines:
                 self.loop.at(self.loop.now + self.decoder_overhead_s, self._start_relay, job)
             else:
                 job.pulls = 2
+                assert self.intra is not None  # the link to RLD's datacenter
                 self._send(self.intra, r, job, blocks_missing(prompt, job.rl.hit, self.block), self._relay_pulled)
             job.warm = self.pending.track(job.md.name, job.keys)
         self.pending.after(job.after, self._main_pull, job)
 
     @cython.locals(job=Job)
-    def _main_pull(self, job: Job) -> None:
+    def _main_pull(self: PipelineHost, job: Job) -> None:
         """MD pulls what it lacks over the WAN (after the earlier turn's MD work it waited for)."""
         req = job.req
+        assert job.md is not None and self.wan is not None and self.wan_backlog is not None  # routed in _pdd, over the WAN
         self._open_decoder(job, job.md, req.prefix_tokens)
+        assert job.dl is not None  # _open_decoder's lease
         if job.done:  # the relay finished the request while MD's pull waited
             self.results.set_decode_hit(job.row, job.dl.hit)
         job.wan_place = self.wan_backlog.add(job.wan_planned, self.loop.now)
         self._send(self.wan, job.md, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._main_pulled)
 
     @cython.locals(job=Job)
-    def _singular_pulled(self, job: Job) -> None:
+    def _singular_pulled(self: PipelineHost, job: Job) -> None:
         self._pull_done(job)
         req = job.req
+        assert job.d is not None  # RLD (_open_decoder)
         self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0, pulled=True)
 
     @cython.locals(job=Job)
-    def _end_relay(self, job: Job, keep: int) -> None:
+    def _end_relay(self: PipelineHost, job: Job, keep: int) -> None:
         """RLD's request is over (finished, or aborted at the handoff): its blocks stay cached."""
+        assert job.r is not None and job.rl is not None  # the relay's request
         job.r.streams -= 1
         job.r.close(job.rl, keep, job.gen)
         job.seq = None
 
     @cython.locals(job=Job)
-    def _relay_pulled(self, job: Job) -> None:
+    def _relay_pulled(self: PipelineHost, job: Job) -> None:
         self._pull_done(job)
         self._start_relay(job)
 
     @cython.locals(job=Job)
-    def _start_relay(self, job: Job) -> None:
+    def _start_relay(self: PipelineHost, job: Job) -> None:
         req = job.req
         if job.handed:  # MD took over before the relay could start: its request was aborted
             self._end_relay(job, req.prompt_tokens)
             return
+        assert job.relay is not None  # _relay_on
         n = min(job.relay.cap, req.output_tokens - 1)
         job.seq = self._relay_decode(job, req.prompt_tokens + 1, n, self._relay_stopped, pulled=True)
 
     @cython.locals(job=Job)
-    def _relay_decode(self, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None], pulled: bool = False) -> Seq:
+    def _relay_decode(self: PipelineHost, job: Job, ctx: int, n: int, cb: Callable[[Seq, float], None], pulled: bool = False) -> Seq:
+        assert job.r is not None and job.rl is not None  # the relay's request
         seq = Seq(job, ctx, n, ctx + n, job.rl, cb, pulled)
         job.r.submit_decode(seq)
         return seq
 
     @cython.locals(seq=Seq, job=Job)
-    def _relay_stopped(self, seq: Seq, worst: float) -> None:
+    def _relay_stopped(self: PipelineHost, seq: Seq, worst: float) -> None:
         """RLD produced the last token the client takes from it: the request's end, or the cap."""
         job: Job = seq.owner
         now = self.loop.now
@@ -177,6 +259,7 @@ class PDDPipelines:
         job.gap = max(job.gap, seq.t_first - job.t_first, worst)
         job.relay_tokens = seq.n
         job.t_relay_last = now
+        assert job.relay is not None and job.md is not None  # P-RLD-MD, P-P-MD
         job.relay.take(seq.n - job.relay.relayed, seq.n == req.output_tokens - 1)
         if job.relay.phase is RelayPhase.relay_finished:  # RLD ended the request before the handoff
             self._end_relay(job, req.prompt_tokens + req.output_tokens - 1)
@@ -188,9 +271,10 @@ class PDDPipelines:
         self._end_relay(job, seq.ctx + seq.n)
 
     @cython.locals(job=Job)
-    def _main_pulled(self, job: Job) -> None:
+    def _main_pulled(self: PipelineHost, job: Job) -> None:
         self._pull_done(job)
         req = job.req
+        assert job.d is not None and job.dl is not None and self.wan_backlog is not None  # MD pulled over the WAN
         # MD's report: what it moved, beside routing's estimate (EngineOps.decode_stream)
         moved = blocks_missing(req.prompt_tokens, job.dl.hit, self.block) * self.block_bytes
         if moved < job.wan_planned:
@@ -202,15 +286,16 @@ class PDDPipelines:
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))
 
     @cython.locals(pj=PrefillJob)
-    def _md_step_done(self, pj: PrefillJob) -> None:
+    def _md_step_done(self: PipelineHost, pj: PrefillJob) -> None:
         self.loop.at(self.loop.now + self.ow, self._handoff, pj.owner)
 
     @cython.locals(job=Job)
-    def _handoff(self, job: Job) -> None:
+    def _handoff(self: PipelineHost, job: Job) -> None:
         """The conductor learns MD finished a step (the warm-up or a catch-up round)."""
         now = self.loop.now
         req = job.req
         md = job.d
+        assert md is not None and job.dl is not None and job.r is not None and job.relay is not None  # P-RLD-MD, P-P-MD
         if job.warm is not None:  # the warm-up's blocks are MD's cache now
             md.publish(job.dl, req.prompt_tokens + 1, job.gen)
             self.pending.done(md.name, job.warm)
@@ -250,17 +335,18 @@ class PDDPipelines:
         self._extend(job, sent, produced, final=True)
 
     @cython.locals(pj=PrefillJob, job=Job)
-    def _md_caught_up(self, pj: PrefillJob) -> None:
+    def _md_caught_up(self: PipelineHost, pj: PrefillJob) -> None:
         """MD holds the whole turn the relay finished."""
         job: Job = pj.owner
         md, req = job.d, job.req
+        assert md is not None and job.dl is not None  # MD (_main_pull)
         md.streams -= 1
         md.close(job.dl, req.prompt_tokens + req.output_tokens, job.gen)
         self.index.record(md.name, job.full, md.kv_blocks)
         self.pending.done(md.name, job.catch_up)
 
     @cython.locals(job=Job)
-    def _extend(self, job: Job, sent: int, upto: int, final: bool) -> None:
+    def _extend(self: PipelineHost, job: Job, sent: int, upto: int, final: bool) -> None:
         """A new MD request: prompt + the tokens the client has, of which MD computes the
         relay tokens past the `sent` it already has in one extend step (at least one token).
         A catch-up request stops there; the final one decodes the rest."""
@@ -271,18 +357,20 @@ class PDDPipelines:
             need, cb = req.prompt_tokens + req.output_tokens, self._handed_over
         else:
             need, cb = req.prompt_tokens + 1 + upto, self._md_step_done
+        assert job.d is not None and job.dl is not None  # MD (_main_pull)
         job.d.streams += 1
         pj = PrefillJob(job, max(1, tokens), ctx, need, job.dl, cb)
         self.loop.at(self.loop.now + self.ow + self.decoder_overhead_s, _submit, (job.d, pj))
 
     @cython.locals(pj=PrefillJob, job=Job)
-    def _handed_over(self, pj: PrefillJob) -> None:
+    def _handed_over(self: PipelineHost, pj: PrefillJob) -> None:
         """MD's final extend step produced the token after the relay's last one."""
         job: Job = pj.owner
         req = job.req
         t = self.loop.now + self.ow
         job.gap = max(job.gap, t - job.t_relay_last)
         left = req.output_tokens - 2 - job.relay_tokens
+        assert job.d is not None and job.dl is not None  # MD (_main_pull)
         if left <= 0:
             job.t_last = t
             job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)

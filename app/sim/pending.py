@@ -36,7 +36,9 @@ class PendingMDWork:
     def track(self, replica: str, keys: KeyChain) -> Warm | None:
         if not keys:
             return None
-        warm = Warm(keys[-1])
+        last = keys[-1]
+        assert isinstance(last, int)  # an index, not a slice: one key
+        warm = Warm(last)
         self._warms.setdefault(replica, {})[warm.key] = warm
         return warm
 
@@ -58,6 +60,7 @@ class PendingMDWork:
         if warms.get(warm.key) is warm:
             del warms[warm.key]
         waiters, warm.waiters = warm.waiters, None
+        assert waiters is not None  # a piece of work ends once
         for waiter in waiters:
             _wake(waiter)
 

@@ -45,7 +45,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -281,7 +281,7 @@ def save_samples(path: str | Path, samples: Iterable[StepSample]) -> None:
     Path(path).write_text(json.dumps({"samples": [s.__dict__ for s in samples]}, indent=1))
 
 
-def fit_from_samples(samples: Iterable[StepSample | Mapping[str, float]]) -> FittedPerf:
+def fit_from_samples(samples: Iterable[StepSample | Mapping[str, Any]]) -> FittedPerf:
     """Least squares on relative errors, with non-negative coefficients.
 
     Relative, because measured steps span two orders of magnitude (a lone
@@ -350,6 +350,7 @@ class DecodeRamp:
             c0, c1, base, rest = self.p0, self.p1, 0, t
         else:
             s = self.split
+            assert isinstance(s, int)  # t >= head: the split is finite
             c0, c1, base, rest = self.q0 + self.q1 * s, self.q1, s, t - self.head
         if rest <= 0:
             j = 0

@@ -74,7 +74,11 @@ def summarize(results: Results, config: PDDConfig, warmup: float = 0.1) -> Summa
 
     def pct(v: Any) -> tuple[float, float, float]:
         v = v[~np.isnan(v)]
-        return tuple(float(x) for x in np.percentile(v, [50, 90, 99])) if len(v) else (float("nan"),) * 3
+        if not len(v):
+            return (float("nan"),) * 3
+        q: Any = np.percentile(v, [50, 90, 99])  # an array of the three (read as a scalar where numpy's types are skipped)
+        p50, p90, p99 = (float(x) for x in q)
+        return p50, p90, p99
 
     cost = cost_per_hour(config)
     goodput = met / window
@@ -167,7 +171,8 @@ def plot_bathtub(path, points: list[dict[str, float]], label: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([p["hit_rate"] for p in points], [p["benefit"] * 100 for p in points], color="C0")
-    for overloaded, style in ((0.0, {"marker": "o", "color": "C0"}), (1.0, {"marker": "o", "facecolors": "none", "edgecolors": "C3"})):
+    styles: tuple[tuple[float, dict[str, Any]], ...] = ((0.0, {"marker": "o", "color": "C0"}), (1.0, {"marker": "o", "facecolors": "none", "edgecolors": "C3"}))
+    for overloaded, style in styles:
         pts = [p for p in points if p.get("overloaded", 0.0) == overloaded]
         if pts:
             ax.scatter(

@@ -29,11 +29,12 @@ estimate) runs unchanged on top.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol, cast
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
-from app.conductor.prefix_index import PrefixIndex
+from app.conductor.prefix_index import Choice, PrefixIndex, ReplicaCache
 
 STRIDE = 1 << 24
 """Keys per line: blocks of one run of content (16M blocks, beyond any context)."""
@@ -239,16 +240,18 @@ class RunLRU:
             over -= drop
 
     def discard(self, keys: KeyChain | Iterable[int]) -> None:
+        runs: Sequence[Sequence[int]]
         if isinstance(keys, KeyChain):
             runs = keys.segs
         else:  # any keys: cut them as runs of consecutive blocks of one line
-            runs = []
+            cut: list[list[int]] = []
             for key in keys:
                 line, i = divmod(key, STRIDE)
-                if runs and runs[-1][0] == line and runs[-1][2] == i:
-                    runs[-1][2] = i + 1
+                if cut and cut[-1][0] == line and cut[-1][2] == i:
+                    cut[-1][2] = i + 1
                 else:
-                    runs.append([line, i, i + 1])
+                    cut.append([line, i, i + 1])
+            runs = cut
         lines = self.lines
         for line, a, b in runs:
             if line in lines:
@@ -315,6 +318,7 @@ class RunReplicaCache:
     def forget_from(self, keys: KeyChain, first: int) -> None:
         """The replica no longer holds keys[first:] (it reported a shorter hit)."""
         rest = keys[first:]
+        assert isinstance(rest, KeyChain)  # a slice of a chain is a chain
         self.held.discard(rest)
         self.routed.discard(rest)
 
@@ -322,7 +326,22 @@ class RunReplicaCache:
         return self.routed.total
 
 
-def routing_index(block_size: int, capacities: Mapping[str, int]) -> PrefixIndex:
+class RunIndex(Protocol):
+    """The PrefixIndex `routing_index` returns, as the twin calls it: its stores are
+    RunReplicaCaches, so the keys it takes are KeyChains (a sequence of ints in all but name)."""
+
+    def choose(self, candidates: dict[str, int], keys: KeyChain, load: Callable[[str], int], room: int = 0) -> Choice: ...
+
+    def route(self, replica_id: str, keys: KeyChain, capacity_blocks: int) -> None: ...
+
+    def unroute(self, replica_id: str, keys: KeyChain) -> None: ...
+
+    def record(self, replica_id: str, keys: KeyChain, capacity_blocks: int) -> None: ...
+
+    def observe(self, replica_id: str, keys: KeyChain, actual_cached_tokens: int) -> None: ...
+
+
+def routing_index(block_size: int, capacities: Mapping[str, int]) -> RunIndex:
     """The conductor's PrefixIndex (its defaults), with a RunReplicaCache per replica.
 
     `capacities`: replica id -> KV capacity in blocks, what the conductor passes
@@ -332,8 +351,9 @@ def routing_index(block_size: int, capacities: Mapping[str, int]) -> PrefixIndex
     """
     index = PrefixIndex(block_size)
     for rid, capacity in capacities.items():
-        index._replicas[rid] = RunReplicaCache(capacity)  # noqa: SLF001 - see the docstring
-    return index
+        # a RunReplicaCache stands in for a ReplicaCache (it has its methods, on KeyChains)
+        index._replicas[rid] = cast(ReplicaCache, RunReplicaCache(capacity))  # noqa: SLF001 - see the docstring
+    return cast(RunIndex, index)
 
 
 class Conversation:

@@ -115,7 +115,7 @@ def grid_search(meets: Callable[[int], bool], start: int, *, double: int, floor:
 
     good: int | None = start if ok(start) else None
     bad: int | None = None if good is not None else start
-    while good is None and bad - double >= floor and room():
+    while good is None and bad is not None and bad - double >= floor and room():  # bad is the failing load while good is None
         if ok(bad - double):
             good = bad - double
         else:

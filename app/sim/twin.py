@@ -54,17 +54,18 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
 from app.config import Mode, PDDConfig, RoleName
 from app.policy import ClusterFacts, LinkBacklog, LinkFacts, affinity_room
 from app.sim.baselines import BaselinePipelines
-from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec
+from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec, role_config
 from app.sim.engine import Instance
 from app.sim.events import Loop
 from app.sim.jobs import Job, Session
-from app.sim.network import PullSlots
+from app.sim.network import Link, PullSlots
 from app.sim.outages import Outage, Outages
 from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD
 from app.sim.pending import PendingMDWork
@@ -72,6 +73,9 @@ from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
 from app.sim.work import PrefillJob, Seq
 from app.sim.workload import Request
+
+if TYPE_CHECKING:
+    from app.sim.baselines import BaselineHost
 
 WARM_ROLES = {
     Mode.colocated: (RoleName.main_decode,),
@@ -130,7 +134,7 @@ class Twin(BaselinePipelines):
         self.replicas = {inst.name: inst for pool in pools.values() for inst in pool}
         self.pulls = {name: PullSlots(self.loop, config.kv.concurrent_pulls, config.kv.pull_order) for name in self.replicas}
         self.candidates = {role: {inst.name: inst.kv_blocks for inst in pool} for role, pool in pools.items()}
-        self.rooms = {role: affinity_room(config.roles.get(role).engine) for role in pools}
+        self.rooms = {role: affinity_room(role_config(config, role).engine) for role in pools}
         self.index = routing_index(self.block, {name: inst.kv_blocks for name, inst in self.replicas.items()})
         replicas = self.replicas
         self._load: Callable[[str], int] = lambda rid: replicas[rid].streams
@@ -242,6 +246,7 @@ class Twin(BaselinePipelines):
     def _settle(self, job: Job) -> None:
         """The finishing decoder's stream ends; what it now holds goes into the index."""
         d = job.d
+        assert d is not None and job.dl is not None  # the decoder that finished it
         d.streams -= 1
         pipe = job.pipe
         if pipe is P_D_NAIVE:  # salted blocks serve no later request
@@ -293,6 +298,7 @@ class Twin(BaselinePipelines):
     def _prefill(self, job: Job, inst: Instance, need: int, cb: Callable[[PrefillJob], None]) -> None:
         prompt = job.req.prompt_tokens
         lease = job.pl
+        assert lease is not None  # opened with the prefill's instance
         hit = lease.hit if lease.hit < prompt else prompt - 1
         inst.submit_prefill(PrefillJob(job, prompt - hit, hit, need, lease, cb))
 
@@ -310,6 +316,7 @@ class Twin(BaselinePipelines):
     def _prefilled(self, job: Job) -> None:
         """P's stream ended: its real hit corrects the index, which then records the prompt."""
         p = job.p
+        assert p is not None and job.pl is not None  # P prefilled it
         p.streams -= 1
         p.publish(job.pl, job.req.prompt_tokens, job.gen)
         self._remember(p, job.keys, job, job.pl.hit)
@@ -328,6 +335,7 @@ class Twin(BaselinePipelines):
         `pulled`: `inst` pulled the prompt's KV, so its first step prefills the last token."""
         job.t_prev = t_prev
         job.off = off
+        assert job.dl is not None  # its decoder's lease (_open_decoder)
         seq = Seq(job, ctx, n, ctx + n, job.dl, cb or self._decoded, pulled)
         inst.submit_decode(seq)
         return seq
@@ -343,7 +351,7 @@ class Twin(BaselinePipelines):
         self._settle(job)
         self._finish(job)
 
-    def _send(self, link, to: Instance, job: Job, blocks: int, done: Callable[[Job], None]) -> None:
+    def _send(self, link: Link, to: Instance, job: Job, blocks: int, done: Callable[[Job], None]) -> None:
         """Decoder `to` pulls `blocks` of P's KV over `link`, in turn with its other pulls."""
         nbytes = blocks * self.block_bytes
         if link.wan:
@@ -358,4 +366,11 @@ class Twin(BaselinePipelines):
         """One consumer has P's KV; P's blocks are free (cached) once all have."""
         job.pulls -= 1
         if job.pulls == 0:
+            assert job.p is not None and job.pl is not None  # P prefilled it
             job.p.close(job.pl, job.req.prompt_tokens, job.gen)
+
+
+if TYPE_CHECKING:
+
+    def _hosts_the_pipelines(twin: Twin) -> BaselineHost:
+        return twin  # the pipelines' methods (app/sim/pdd.py, baselines.py) take Twin for the host they describe

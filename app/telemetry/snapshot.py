@@ -9,7 +9,7 @@ with no data (no traffic yet, NaN from an empty histogram) leaves it unset.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from pydantic import BaseModel
@@ -111,7 +111,7 @@ class PromSource:
         self.client = PrometheusConnect(url=url, disable_ssl=True)
 
     def snapshot(self, now: float) -> Snapshot:
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
         promql: dict[str, str] = {}
         for q in self.queries.all():
             promql[q.name] = q.promql

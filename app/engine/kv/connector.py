@@ -131,7 +131,7 @@ class PDDConnectorStats(KVConnectorStats):
     """`leases_live` (gauge: latest wins); `transfers` (pull reports) and `steps` (timed steps): concatenated."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = {**self.data, **other.data}

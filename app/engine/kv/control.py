@@ -4,6 +4,8 @@ checks, fault injection, operations)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from app.engine import carried_sampling
 
 # vLLM imports this module in the worker process before the worker's first step.
@@ -11,6 +13,8 @@ carried_sampling.install()
 
 
 class ConnectorControl:
+    model_runner: Any  # vLLM's worker, which this extends
+
     def pdd_check_sampling(self) -> str:
         """The model runner's label, once carried sampling is confirmed to run in it
         (raises CarriedSamplingUnavailable otherwise)."""
@@ -20,4 +24,8 @@ class ConnectorControl:
         """Release every lease not being pulled right now, as if its timeout had passed."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return get_kv_transfer_group().expire_all_leases()
+        from app.engine.kv.connector import PDDConnector
+
+        connector = get_kv_transfer_group()
+        assert isinstance(connector, PDDConnector)
+        return connector.expire_all_leases()

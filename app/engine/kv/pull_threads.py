@@ -44,7 +44,7 @@ class PullThreads:
     def _work(self) -> None:
         while True:
             _, _, fut, fn, args = self._queue.get()
-            if fut is None:
+            if fut is None or fn is None:  # the stop item
                 return
             if not fut.set_running_or_notify_cancel():
                 continue

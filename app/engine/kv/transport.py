@@ -111,7 +111,7 @@ class KVLayout:
             part = t.select(self.block_dims[name], block_id)
             if not part.is_contiguous() or part.device.type != "cpu":
                 part = part.contiguous().cpu()
-            views.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
+            views.append(part.view(torch.uint8).numpy().data.cast("B"))
         return views
 
     def write_block(self, block_id: int, data: memoryview) -> None:
@@ -227,7 +227,7 @@ class BlockServer:
             return
         layout = self._layout_fn()
         lease = self.leases.begin(req.lease_id, self._lease_wait_s) if layout is not None else None
-        if lease is None:
+        if layout is None or lease is None:
             why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
             with contextlib.suppress(OSError):
                 _send_msg(sock, PullHeader(ok=False, error=why, lease_gone=layout is not None))
