@@ -1,5 +1,6 @@
 """The import graph: agents/ sits on app/, app/'s packages are layers that import only downward,
-app/telemetry/ sits under both app/ and agents/, and no module imports itself back.
+app/telemetry/ sits under both app/ and agents/, and no module imports itself back. And every
+module stays a size a newcomer reads in one sitting: 400 lines, 80 per function.
 
 Every import statement of every module under app/ and agents/ counts, those
 inside functions and under TYPE_CHECKING too: a lazy or typing-only import is
@@ -110,3 +111,19 @@ def test_no_import_cycle():
         TopologicalSorter(import_graph()).prepare()
     except CycleError as err:
         raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for module, path in project_modules().items():
+        source = path.read_text()
+        if (lines := source.count("\n")) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, too_long
