@@ -2,7 +2,8 @@
 
 Ray 2.60 has no public equivalent for these; an upgrade that moves one breaks here only.
 - The GCS key-value store (`ray.experimental.internal_kv`): the conductor saves its prefix
-  index there so that the next conductor starts from it. Public alternatives (a named
+  index there so that the next conductor starts from it; the data plane's TLS credentials
+  are handed to replicas there (app/engine/cluster_tls.py). Public alternatives (a named
   actor, a Serve deployment) would die with the cluster's nodes; the GCS outlives them.
 - The dashboard's auth header (`ray._private.authentication`): the agents call Serve's
   REST API on a cluster with token auth, as Ray's own dashboard SDK does.
@@ -28,10 +29,11 @@ def kv_get(key: bytes | str, namespace: str) -> bytes | None:
     return internal_kv._internal_kv_get(key, namespace=namespace)
 
 
-def kv_put(key: str, value: bytes, namespace: str) -> None:
+def kv_put(key: str, value: bytes, namespace: str, *, overwrite: bool = True) -> None:
+    """`overwrite=False`: put only if absent (the first of concurrent writers wins)."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
+    internal_kv._internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
 
 
 def kv_delete(key: str, namespace: str, *, by_prefix: bool = False) -> None:

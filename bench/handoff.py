@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
+from app.engine.cluster_tls import cluster_tls
 from app.engine.kv.params import LEASE, PRODUCE, PULL
 from app.engine.link_emulators import deployment_name
 from app.engine.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
@@ -49,7 +50,7 @@ class Engines:
         self.relays = {}
         for dc in ("dc-a", "dc-b"):
             self.relays.update(serve.get_deployment_handle(deployment_name(dc), app_name=app_name).describe.remote().result())
-        self.clients = {d: TokenStreamClient(i.node_ip, i.token_port) for d, i in self.info.items()}
+        self.clients = {d: TokenStreamClient(i.node_ip, i.token_port, cluster_tls().client) for d, i in self.info.items()}
 
     async def run(self, deployment: str, rid: str, prompt: list[int], max_tokens: int, kv: dict | None = None) -> tuple[list[int], dict | None, float]:
         """(tokens, final kv_transfer_params, seconds to the first token)."""

@@ -16,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.conductor.replica_router import live_replicas
 from app.config import RoleName
+from app.engine.cluster_tls import cluster_tls
 from app.engine.deployments import DEPLOYMENT_NAMES
 from app.engine.replica import ReplicaInfo
 from app.engine.token_channel import EngineDelta, EngineRequest, TokenStreamClient
@@ -153,7 +154,7 @@ class EngineClient:
     def _channel(self, info: ReplicaInfo) -> TokenStreamClient:
         channel = self._channels.get(info.replica_id)
         if channel is None or channel.closed:
-            channel = self._channels[info.replica_id] = TokenStreamClient(info.node_ip, info.token_port)
+            channel = self._channels[info.replica_id] = TokenStreamClient(info.node_ip, info.token_port, cluster_tls().client)
         return channel
 
     async def stream(self, replica: ReplicaInfo, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:

@@ -21,6 +21,7 @@ from app.conductor.journal import Journey, Transfer
 from app.conductor.link_accounts import LinkAccounts
 from app.conductor.placement import Placement
 from app.config import LiveKnobs, PDDConfig, RoleName
+from app.engine.cluster_tls import cluster_tls
 from app.engine.kv.params import LEASE, PRODUCE, PULL
 from app.engine.kv.transport import release_lease
 from app.engine.replica import ReplicaInfo
@@ -231,7 +232,7 @@ class EngineOps:
 
     async def release(self, lease: dict[str, Any] | None) -> None:
         if lease:
-            await asyncio.to_thread(release_lease, (lease["host"], int(lease["port"])), lease["lease_id"])
+            await asyncio.to_thread(release_lease, (lease["host"], int(lease["port"])), lease["lease_id"], cluster_tls().client)
 
     async def ended_on_prefill(self, req: GenerationRequest, first: EngineDelta, consumers: int) -> Tokens | None:
         """P's token ended the request (a stop token, or one token asked): the lease's

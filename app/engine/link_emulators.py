@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 
 from app.config import LinkConfig
+from app.engine.kv.block_servers import BlockServerDirectory
 from app.engine.kv.link import LinkSet
 from app.engine.replica import node_ip
 from app.telemetry.replica_logging import log_to_stderr
@@ -31,10 +32,11 @@ class LinkEmulators:
         self._destination = destination
         self._links = LinkSet()
         self._host = node_ip()
+        self._block_servers = BlockServerDirectory()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         configs = [LinkConfig.model_validate(c) for c in user_config.get("links", [])]
-        self._links.update(configs, destination=self._destination)
+        self._links.update(configs, self._host, self._block_servers.allowed, destination=self._destination)
         await self._links.start()
 
     async def describe(self) -> dict[str, tuple[str, int]]:

@@ -18,8 +18,10 @@ from typing import Any
 
 from app.config import PDDConfig, RoleName
 from app.engine import carried_sampling
+from app.engine.cluster_tls import cluster_tls, credentials_file
 from app.engine.devmodel import resolve_model_source
 from app.engine.env import set_engine_env
+from app.engine.kv import block_servers
 from app.engine.kv.params import PULL
 from app.engine.token_channel import EngineDelta, EngineRequest, TokenLogprob, TokenStreamServer
 
@@ -86,6 +88,7 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
             "pull_order": config.kv.pull_order.value,
             "owner_pid": owner_pid,
             "record_steps": config.roles.of(role).engine.record_steps,
+            "tls_credentials": credentials_file(),
         },
     )
 
@@ -189,8 +192,9 @@ class EngineServer:
         self.num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.kv_bytes_per_block = _kv_bytes_per_block(vllm_config)
+        block_servers.register(self.replica_id, (self._node_ip, self.block_port))  # relays may forward to it now
         self.datacenter = config.datacenter_of(role)
-        self._token_server = TokenStreamServer(self.generate)
+        self._token_server = TokenStreamServer(self.generate, self._node_ip, cluster_tls().server)
         self.model_runner = ""
 
     async def check_runner(self) -> None:
@@ -310,6 +314,7 @@ class EngineServer:
         await self.engine.check_health()
 
     def shutdown(self) -> None:
+        block_servers.unregister(self.replica_id)
         self.engine.shutdown()
 
 

@@ -6,6 +6,10 @@ the throughput of vLLM's own server (measured by bench/serve_overhead.py).
 Here many requests share one connection, frames are msgpack, and the frames
 written in one event-loop turn leave in one syscall. Serve still deploys,
 places, health-checks and discovers the replicas, and carries control calls.
+
+Both ends authenticate with the cluster's certificates (mutual TLS,
+app/engine/cluster_tls.py): a peer without one is dropped in the handshake,
+before any frame is read.
 """
 
 from __future__ import annotations
@@ -14,16 +18,20 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import struct
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
 
+from app.engine.cluster_tls import PEER_NAME
+
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+HANDSHAKE_TIMEOUT_S = 5.0
 #: A reader this far behind is dropped rather than buffered without bound.
 MAX_WRITE_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -177,15 +185,16 @@ DeltaSource = Callable[[EngineRequest], AsyncGenerator[EngineDelta, None]]
 class TokenStreamServer:
     """Serves EngineRequests with `source`; cancelling a stream aborts its request."""
 
-    def __init__(self, source: DeltaSource, host: str = "0.0.0.0"):
+    def __init__(self, source: DeltaSource, host: str, tls: ssl.SSLContext):
         self._source = source
         self._host = host
+        self._tls = tls
         self._server: asyncio.AbstractServer | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve_connection, self._host, 0)
+            self._server = await asyncio.start_server(self._serve_connection, self._host, 0, ssl=self._tls, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
             self.port = self._server.sockets[0].getsockname()[1]
         assert self.port is not None
         return self.port
@@ -234,8 +243,9 @@ class TokenStreamServer:
 class TokenStreamClient:
     """One connection to one engine replica, shared by all of its requests."""
 
-    def __init__(self, host: str, port: int, connect_timeout_s: float = 5.0):
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext, connect_timeout_s: float = 5.0):
         self.address = (host, port)
+        self._tls = tls
         self._connect_timeout_s = connect_timeout_s
         self._writer: _FrameWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -255,7 +265,9 @@ class TokenStreamClient:
                 raise ChannelClosed(f"engine at {self.address[0]}:{self.address[1]} is gone")
             if self._writer is None:
                 try:
-                    reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.address), self._connect_timeout_s)
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(*self.address, ssl=self._tls, server_hostname=PEER_NAME), self._connect_timeout_s
+                    )
                 except (TimeoutError, OSError) as exc:
                     self.closed = True
                     raise ChannelClosed(f"cannot reach engine at {self.address[0]}:{self.address[1]}: {exc}") from exc

@@ -2,6 +2,7 @@
 with real torch tensors standing in for two engines' paged KV caches."""
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -9,10 +10,14 @@ import pytest
 import torch
 
 from app.config import LinkConfig, PullOrder
+from app.engine.cluster_tls import ClusterTLS, Credentials
 from app.engine.kv.link import LinkModel, LinkRelay
 from app.engine.kv.pull_threads import PullThreads
-from app.engine.kv.transport import BlockServer, KVLayout, LeaseTable, PullSpec, pull_blocks, release_lease
+from app.engine.kv.transport import BlockServer, KVLayout, LeaseTable, PullRequest, PullSpec, _send_msg, pull_blocks, release_lease
 from app.telemetry import metrics
+
+CREDENTIALS = Credentials.generate()
+TLS = ClusterTLS(CREDENTIALS)
 
 NUM_BLOCKS = 16
 LAYERS = 2
@@ -29,7 +34,7 @@ def source():
     kv = caches(1)
     layout = KVLayout.from_caches(kv, NUM_BLOCKS)
     leases = LeaseTable()
-    server = BlockServer(lambda: layout, leases, "127.0.0.1", 0, lease_wait_s=0.5)
+    server = BlockServer(lambda: layout, leases, "127.0.0.1", 0, TLS.server, lease_wait_s=0.5)
     yield kv, layout, leases, server
     server.close()
 
@@ -48,12 +53,14 @@ def test_a_small_pull_overtakes_a_large_waiting_one_only_under_smallest_first(so
     dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
     pull_threads = PullThreads(1, order)
     try:
-        holder = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [0]), dst_layout, 2, 10, time.monotonic())
+        holder = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [0]), dst_layout, TLS.client, 2, 10, time.monotonic())
         time.sleep(0.05)  # the holder has the only thread
         submitted = {"large": time.monotonic()}
-        large = pull_threads.submit(6, pull_blocks, spec(server, "large", list(range(6)), [1, 2, 3, 4, 5, 6]), dst_layout, 2, 10, submitted["large"])
+        large = pull_threads.submit(
+            6, pull_blocks, spec(server, "large", list(range(6)), [1, 2, 3, 4, 5, 6]), dst_layout, TLS.client, 2, 10, submitted["large"]
+        )
         submitted["small"] = time.monotonic()
-        small = pull_threads.submit(1, pull_blocks, spec(server, "small", [0], [8]), dst_layout, 2, 10, submitted["small"])
+        small = pull_threads.submit(1, pull_blocks, spec(server, "small", [0], [8]), dst_layout, TLS.client, 2, 10, submitted["small"])
         results = {"holder": holder.result(5), "large": large.result(5), "small": small.result(5)}
     finally:
         pull_threads.shutdown()
@@ -71,7 +78,7 @@ def test_pull_copies_exactly_the_requested_blocks(source):
     dst = caches(2)
     dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
     before = {n: t.clone() for n, t in dst.items()}
-    result = pull_blocks(spec(server, "lease-1", [1, 2], [5, 6]), dst_layout, 2, 10)
+    result = pull_blocks(spec(server, "lease-1", [1, 2], [5, 6]), dst_layout, TLS.client, 2, 10)
     assert result.ok and result.blocks == 2 and result.bytes == 2 * layout.block_nbytes
     assert result.queued_seconds == 0.0  # not submitted through pull threads
     for name in kv:
@@ -90,8 +97,8 @@ def test_a_pull_waiting_for_a_pull_thread_reports_its_wait_apart_from_its_transf
     dst_layout = KVLayout.from_caches(dst, NUM_BLOCKS)
     pull_threads = PullThreads(1, PullOrder.smallest_first)  # as the connector submits them
     try:
-        first = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [4]), dst_layout, 2, 10, time.monotonic())
-        second = pull_threads.submit(1, pull_blocks, spec(server, "ready", [0], [5]), dst_layout, 2, 10, time.monotonic())
+        first = pull_threads.submit(1, pull_blocks, spec(server, "late", [0], [4]), dst_layout, TLS.client, 2, 10, time.monotonic())
+        second = pull_threads.submit(1, pull_blocks, spec(server, "ready", [0], [5]), dst_layout, TLS.client, 2, 10, time.monotonic())
         first, second = first.result(5), second.result(5)
     finally:
         pull_threads.shutdown()
@@ -119,9 +126,9 @@ def _done_soon(leases, timeout_s=5.0):
 def test_lease_waits_for_all_consumers_then_frees(source):
     _, _, leases, server = source
     leases.add("l", [0], consumers=2, ttl_s=30)
-    assert release_lease(("127.0.0.1", server.port), "l")
+    assert release_lease(("127.0.0.1", server.port), "l", TLS.client)
     assert _done_soon(leases, timeout_s=0.5) == set() and len(leases) == 1
-    assert release_lease(("127.0.0.1", server.port), "l")
+    assert release_lease(("127.0.0.1", server.port), "l", TLS.client)
     assert _done_soon(leases) == {"l"}
 
 
@@ -136,16 +143,17 @@ def test_lease_expires():
 def test_pull_of_unknown_lease_fails_cleanly_and_reports_blocks(source):
     _, _, _, server = source
     dst = caches(4)
-    result = pull_blocks(spec(server, "nope", [0, 1], [2, 3]), KVLayout.from_caches(dst, NUM_BLOCKS), 2, 10)
+    result = pull_blocks(spec(server, "nope", [0, 1], [2, 3]), KVLayout.from_caches(dst, NUM_BLOCKS), TLS.client, 2, 10)
     # named apart from link failures: a lease that expired while its pull queued is not a broken link
-    assert not result.ok and result.error.startswith(f"{metrics.KV_LEASE_GONE}: no lease nope")
+    assert not result.ok and result.error.startswith(f"{metrics.KV_LEASE_GONE}: no such lease")
+    assert "nope" not in result.error  # a lease id is a capability: never echoed into logs
     assert result.failed_block_ids == [2, 3]
 
 
 def test_a_lease_registered_just_after_the_pull_arrives_is_served(source):
     _, _, leases, server = source
     threading.Timer(0.1, leases.add, args=("late", [0], 1, 30)).start()
-    result = pull_blocks(spec(server, "late", [0], [1]), KVLayout.from_caches(caches(5), NUM_BLOCKS), 2, 10)
+    result = pull_blocks(spec(server, "late", [0], [1]), KVLayout.from_caches(caches(5), NUM_BLOCKS), TLS.client, 2, 10)
     assert result.ok
 
 
@@ -153,19 +161,19 @@ def test_layout_mismatch_is_refused(source):
     _, _, leases, server = source
     leases.add("l", [0], consumers=1, ttl_s=30)
     other = {f"layer.{i}": torch.zeros(NUM_BLOCKS, 4, 32, 64) for i in range(LAYERS)}
-    result = pull_blocks(spec(server, "l", [0], [1]), KVLayout.from_caches(other, NUM_BLOCKS), 2, 10)
+    result = pull_blocks(spec(server, "l", [0], [1]), KVLayout.from_caches(other, NUM_BLOCKS), TLS.client, 2, 10)
     assert not result.ok and "layout differs" in result.error
 
 
 def test_block_index_outside_lease_is_refused(source):
     _, _, leases, server = source
     leases.add("l", [0], consumers=1, ttl_s=30)
-    result = pull_blocks(spec(server, "l", [5], [1]), KVLayout.from_caches(caches(6), NUM_BLOCKS), 2, 10)
+    result = pull_blocks(spec(server, "l", [5], [1]), KVLayout.from_caches(caches(6), NUM_BLOCKS), TLS.client, 2, 10)
     assert not result.ok and "outside" in result.error
 
 
 def test_unreachable_source_fails_without_raising():
-    result = pull_blocks(PullSpec("r", "l", ("127.0.0.1", 1), None, "x", [0], [0]), KVLayout.from_caches(caches(7), NUM_BLOCKS), 1, 2)
+    result = pull_blocks(PullSpec("r", "l", ("127.0.0.1", 1), None, "x", [0], [0]), KVLayout.from_caches(caches(7), NUM_BLOCKS), TLS.client, 1, 2)
     assert not result.ok and result.failed_block_ids == [0]
 
 
@@ -175,11 +183,18 @@ def test_unreachable_source_fails_without_raising():
 class RelayThread:
     """A LinkRelay on its own event loop thread (the pull side is blocking code)."""
 
-    def __init__(self, config: LinkConfig):
+    def __init__(self, config: LinkConfig, server: BlockServer):
         self.loop = asyncio.new_event_loop()
-        self.relay = LinkRelay("a->b", LinkModel(config), host="127.0.0.1")
+        self.relay = LinkRelay("a->b", LinkModel(config), "127.0.0.1", self._only(("127.0.0.1", server.port)))
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = self.call(self.relay.start())
+
+    @staticmethod
+    def _only(block_server):
+        async def allowed(address):
+            return address == block_server
+
+        return allowed
 
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
@@ -204,11 +219,11 @@ def test_relay_paces_to_the_link_bandwidth(source):
     _, layout, leases, server = source
     leases.add("l", list(range(8)), consumers=1, ttl_s=30)
     mbps, rtt_ms = 40.0, 50.0
-    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms))
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=mbps, rtt_ms=rtt_ms), server)
     try:
         t0 = time.monotonic()
         result = pull_blocks(
-            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30
+            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), TLS.client, 2, 30
         )
         elapsed = time.monotonic() - t0
         assert result.ok
@@ -229,7 +244,7 @@ def test_pulls_sharing_a_healthy_link_take_what_its_shared_model_says(source):
 
     _, layout, leases, server = source
     config = LinkConfig(between=("a", "b"), bandwidth_mbps=40, rtt_ms=20)
-    relay = RelayThread(config)
+    relay = RelayThread(config, server)
     blocks = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     share = LinkShare(config.bandwidth_mbps * 1e6 / 8)
     try:
@@ -239,7 +254,10 @@ def test_pulls_sharing_a_healthy_link_take_what_its_shared_model_says(source):
         dst = KVLayout.from_caches(caches(9), NUM_BLOCKS)
         with ThreadPoolExecutor(len(blocks)) as pool:
             results = list(
-                pool.map(lambda i: pull_blocks(spec(server, f"l{i}", [0, 1, 2], blocks[i], relay=("127.0.0.1", relay.port)), dst, 2, 30), range(len(blocks)))
+                pool.map(
+                    lambda i: pull_blocks(spec(server, f"l{i}", [0, 1, 2], blocks[i], relay=("127.0.0.1", relay.port)), dst, TLS.client, 2, 30),
+                    range(len(blocks)),
+                )
             )
     finally:
         relay.close()
@@ -255,12 +273,12 @@ def test_a_degraded_link_paces_to_its_new_figures_until_restored(source):
     _, layout, leases, server = source
     leases.add("l", list(range(8)), consumers=2, ttl_s=30)
     configured = LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1)
-    relay = RelayThread(configured)
+    relay = RelayThread(configured, server)
     try:
         relay.relay.degrade(bandwidth_mbps=40, rtt_ms=50)
         t0 = time.monotonic()
         result = pull_blocks(
-            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), 2, 30
+            spec(server, "l", list(range(8)), list(range(8)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(8), NUM_BLOCKS), TLS.client, 2, 30
         )
         assert result.ok
         assert time.monotonic() - t0 >= (0.05 + 8 * layout.block_nbytes / (40e6 / 8)) * 0.97
@@ -279,13 +297,13 @@ def test_restoring_a_stalled_link_releases_the_transfers_it_held(source):
     """`pdd fault restore` ends a stall for the pulls already waiting on it, not only for new ones."""
     _, layout, leases, server = source
     leases.add("l", list(range(4)), consumers=1, ttl_s=60)
-    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1))
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1), server)
     try:
         relay.loop.call_soon_threadsafe(relay.relay.stall, 60)
         threading.Timer(0.5, relay.loop.call_soon_threadsafe, args=(relay.relay.restore,)).start()
         t0 = time.monotonic()
         result = pull_blocks(
-            spec(server, "l", list(range(4)), list(range(4)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(4), NUM_BLOCKS), 2, 90
+            spec(server, "l", list(range(4)), list(range(4)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(4), NUM_BLOCKS), TLS.client, 2, 90
         )
         assert result.ok
         assert 0.5 <= time.monotonic() - t0 < 30  # held until the restore, not for the stall's 60 s
@@ -296,18 +314,18 @@ def test_restoring_a_stalled_link_releases_the_transfers_it_held(source):
 def test_cutting_the_link_mid_transfer_reports_unwritten_blocks(source):
     _, layout, leases, server = source
     leases.add("l", list(range(12)), consumers=1, ttl_s=30)
-    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=8))  # ~1 s per MB
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=8), server)  # ~1 s per MB
     try:
         threading.Timer(0.3, relay.cut, args=(5,)).start()
         result = pull_blocks(
-            spec(server, "l", list(range(12)), list(range(12)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30
+            spec(server, "l", list(range(12)), list(range(12)), relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), TLS.client, 2, 30
         )
         assert not result.ok
         assert 0 < len(result.failed_block_ids) <= 12
         assert result.failed_block_ids == list(range(12 - len(result.failed_block_ids), 12))  # the tail
         assert relay.relay.counters.cut_connections >= 1
         # while cut, new pulls are refused at once
-        again = pull_blocks(spec(server, "l", [0], [0], relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), 2, 30)
+        again = pull_blocks(spec(server, "l", [0], [0], relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(9), NUM_BLOCKS), TLS.client, 2, 30)
         assert not again.ok
     finally:
         relay.close()
@@ -322,3 +340,42 @@ def test_jitter_draws_are_seeded_and_bounded():
     draws = [model.jitter_s() for _ in range(2000)]
     assert all(0 <= d <= 0.4 for d in draws)
     assert 0.02 < sum(draws) / len(draws) < 0.08
+
+
+def test_a_pull_without_the_clusters_certificate_gets_no_blocks(source):
+    """A plaintext client naming a live lease, and TLS clients of another cluster: dropped in
+    the handshake; the lease is neither served nor used up, and a member's pull still works."""
+    _, _, leases, server = source
+    leases.add("l", [0, 1], consumers=1, ttl_s=30)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        _send_msg(sock, PullRequest("l", [0, 1], "plaintext"))
+        try:
+            answer = sock.recv(1024)
+        except ConnectionResetError:  # closed with our request unread
+            answer = b""
+        assert answer == b""
+    other = Credentials.generate()
+    for stranger in (ClusterTLS(other), ClusterTLS(Credentials(ca=CREDENTIALS.ca, cert=other.cert, key=other.key))):
+        result = pull_blocks(spec(server, "l", [0, 1], [2, 3]), KVLayout.from_caches(caches(10), NUM_BLOCKS), stranger.client, 2, 10)
+        assert not result.ok and result.blocks == 0
+    assert len(leases) == 1 and leases.leases["l"].pulls == 0
+    assert pull_blocks(spec(server, "l", [0, 1], [2, 3]), KVLayout.from_caches(caches(10), NUM_BLOCKS), TLS.client, 2, 10).ok
+
+
+def test_the_relay_forwards_only_to_registered_block_servers(source):
+    """Not an open proxy: a preamble naming any other address is refused at once."""
+    _, _, leases, server = source
+    leases.add("l", [0], consumers=1, ttl_s=30)
+    relay = RelayThread(LinkConfig(between=("a", "b"), bandwidth_mbps=4000, rtt_ms=1), server)
+    try:
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as sock:
+            sock.sendall(b"127.0.0.1:22\n")
+            try:
+                answer = sock.recv(1024)
+            except ConnectionResetError:
+                answer = b""
+        assert answer == b"" and relay.relay.counters.refused == 1
+        assert pull_blocks(spec(server, "l", [0], [1], relay=("127.0.0.1", relay.port)), KVLayout.from_caches(caches(11), NUM_BLOCKS), TLS.client, 2, 10).ok
+        assert relay.relay.counters.refused == 1
+    finally:
+        relay.close()

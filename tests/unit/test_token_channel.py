@@ -1,10 +1,14 @@
-"""The token channel over real loopback sockets, with a scripted token source."""
+"""The token channel over real loopback sockets and real mutual TLS, with a scripted token source."""
 
 import asyncio
 
 import pytest
 
-from app.engine.token_channel import ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenStreamClient, TokenStreamServer
+from app.engine.cluster_tls import ClusterTLS, Credentials
+from app.engine.token_channel import _LEN, ChannelClosed, EngineDelta, EngineRequest, SamplingOptions, TokenStreamClient, TokenStreamServer, _encoder
+
+CREDENTIALS = Credentials.generate()
+TLS = ClusterTLS(CREDENTIALS)
 
 
 class ScriptedEngine:
@@ -39,9 +43,9 @@ async def _collect(client, req):
 
 async def test_many_streams_share_one_connection_in_order():
     engine = ScriptedEngine()
-    server = TokenStreamServer(engine, host="127.0.0.1")
+    server = TokenStreamServer(engine, "127.0.0.1", TLS.server)
     port = await server.start()
-    client = TokenStreamClient("127.0.0.1", port)
+    client = TokenStreamClient("127.0.0.1", port, TLS.client)
     results = await asyncio.gather(*(_collect(client, _req(f"r{i}", n=10 + i)) for i in range(20)))
     for i, deltas in enumerate(results):
         assert [t for d in deltas for t in d.token_ids] == list(range(1, 11 + i))
@@ -53,8 +57,8 @@ async def test_many_streams_share_one_connection_in_order():
 
 async def test_leaving_early_aborts_the_engine_request():
     engine = ScriptedEngine(delay=0.01)
-    server = TokenStreamServer(engine, host="127.0.0.1")
-    client = TokenStreamClient("127.0.0.1", await server.start())
+    server = TokenStreamServer(engine, "127.0.0.1", TLS.server)
+    client = TokenStreamClient("127.0.0.1", await server.start(), TLS.client)
     got = []
     async for d in client.stream(_req("early", n=1000)):
         got.extend(d.token_ids)
@@ -71,8 +75,8 @@ async def test_leaving_early_aborts_the_engine_request():
 
 
 async def test_engine_error_arrives_in_band():
-    server = TokenStreamServer(ScriptedEngine(), host="127.0.0.1")
-    client = TokenStreamClient("127.0.0.1", await server.start())
+    server = TokenStreamServer(ScriptedEngine(), "127.0.0.1", TLS.server)
+    client = TokenStreamClient("127.0.0.1", await server.start(), TLS.client)
     deltas = await _collect(client, _req("boom", n=10, prompt=[666]))
     assert deltas[-1].finished and deltas[-1].finish_reason == "error"
     assert "engine exploded" in deltas[-1].error
@@ -84,8 +88,8 @@ async def test_engine_error_arrives_in_band():
 
 async def test_server_going_away_fails_open_streams():
     engine = ScriptedEngine(delay=0.01)
-    server = TokenStreamServer(engine, host="127.0.0.1")
-    client = TokenStreamClient("127.0.0.1", await server.start())
+    server = TokenStreamServer(engine, "127.0.0.1", TLS.server)
+    client = TokenStreamClient("127.0.0.1", await server.start(), TLS.client)
 
     async def consume():
         return await _collect(client, _req("cut", n=10_000))
@@ -103,18 +107,47 @@ async def test_server_going_away_fails_open_streams():
 
 
 async def test_unreachable_engine_is_a_channel_error():
-    client = TokenStreamClient("127.0.0.1", 1, connect_timeout_s=1)
+    client = TokenStreamClient("127.0.0.1", 1, TLS.client, connect_timeout_s=1)
     with pytest.raises(ChannelClosed, match="cannot reach"):
         await _collect(client, _req("x"))
 
 
 async def test_duplicate_request_id_rejected():
-    server = TokenStreamServer(ScriptedEngine(delay=0.05), host="127.0.0.1")
-    client = TokenStreamClient("127.0.0.1", await server.start())
+    server = TokenStreamServer(ScriptedEngine(delay=0.05), "127.0.0.1", TLS.server)
+    client = TokenStreamClient("127.0.0.1", await server.start(), TLS.client)
     first = client.stream(_req("dup", n=50))
     await first.__anext__()
     with pytest.raises(ValueError, match="already streaming"):
         await client.stream(_req("dup")).__anext__()
     await first.aclose()
+    await client.close()
+    await server.close()
+
+
+async def test_a_client_without_the_clusters_certificate_runs_nothing():
+    """A plaintext client that writes a well-formed request, a TLS client of another
+    cluster, and one that trusts this cluster's CA but presents another's certificate:
+    each is dropped in the handshake; the engine never sees a request."""
+    engine = ScriptedEngine()
+    server = TokenStreamServer(engine, "127.0.0.1", TLS.server)
+    port = await server.start()
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = _encoder.encode(_req("plaintext"))
+    writer.write(_LEN.pack(len(body)) + body)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing answered
+    writer.close()
+
+    other = Credentials.generate()
+    for tls in (ClusterTLS(other), ClusterTLS(Credentials(ca=CREDENTIALS.ca, cert=other.cert, key=other.key))):
+        stranger = TokenStreamClient("127.0.0.1", port, tls.client)
+        with pytest.raises(ChannelClosed):
+            await _collect(stranger, _req("stranger"))
+        await stranger.close()
+
+    assert engine.started == []
+    client = TokenStreamClient("127.0.0.1", port, TLS.client)  # the cluster's own still served
+    assert [t for d in await _collect(client, _req("member", n=3)) for t in d.token_ids] == [1, 2, 3]
     await client.close()
     await server.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -35,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from app.config import PullOrder
+from app.engine.cluster_tls import ClusterTLS, Credentials
 from app.engine.kv.params import LEASE, PRODUCE, PULL
 from app.engine.kv.pull_threads import PullThreads
 from app.engine.kv.steps import StepClock
@@ -69,6 +71,8 @@ class ConnectorSettings:
     """Pull threads: pulls this engine runs at once (KVTransferSettings.concurrent_pulls)."""
     pull_order: PullOrder = PullOrder.smallest_first
     """Which waiting pull a freed pull thread takes (KVTransferSettings.pull_order)."""
+    tls_credentials: str = ""
+    """The file of the cluster's TLS credentials (app/engine/cluster_tls.py credentials_file)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -83,6 +87,7 @@ class ConnectorSettings:
             record_steps=bool(extra.get("record_steps", False)),
             concurrent_pulls=int(extra.get("concurrent_pulls", 8)),
             pull_order=PullOrder(extra.get("pull_order", PullOrder.smallest_first.value)),
+            tls_credentials=str(extra.get("tls_credentials", "")),
         )
 
 
@@ -105,6 +110,7 @@ def _watch_owner(owner_pid: int, interval_s: float = 1.0) -> None:
 
 @dataclass
 class LeaseSpec:
+    request_id: str
     lease_id: str
     block_ids: list[int]
     consumers: int
@@ -172,6 +178,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._leases = LeaseTable()
         self._server: BlockServer | None = None
         self._pulls: PullThreads | None = None
+        self._tls: ClusterTLS | None = None
         self._inflight: dict[str, Future] = {}
         self._done_results: list[PullResult] = []
         self._invalid_blocks: set[int] = set()
@@ -258,10 +265,11 @@ class PDDConnector(KVConnectorBase_V1):
         if not produce or not blocks or not finished_ok:
             return False, None
         consumers = int(produce.get("consumers", 1))
-        self._new_leases.append(LeaseSpec(rid, blocks, consumers, self._settings.lease_timeout_s))
+        lease_id = secrets.token_urlsafe(16)  # a capability: 128 random bits, never shown to clients
+        self._new_leases.append(LeaseSpec(rid, lease_id, blocks, consumers, self._settings.lease_timeout_s))
         self._leases_live.add(rid)
         lease = {
-            "lease_id": rid,
+            "lease_id": lease_id,
             "host": self._settings.host,
             "port": self._settings.block_port,
             "num_tokens": request.num_prompt_tokens,
@@ -288,7 +296,8 @@ class PDDConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._layout = KVLayout.from_caches(kv_caches, self._kv_cache_config.num_blocks)
-        self._server = BlockServer(lambda: self._layout, self._leases, "0.0.0.0", self._settings.block_port)
+        self._tls = ClusterTLS(Credentials.load(self._settings.tls_credentials))
+        self._server = BlockServer(lambda: self._layout, self._leases, self._settings.host, self._settings.block_port, self._tls.server)
         self._pulls = PullThreads(self._settings.concurrent_pulls, self._settings.pull_order)
         logger.info("PDDConnector: block server on port %d, %d bytes per block", self._server.port, self._layout.block_nbytes)
 
@@ -296,12 +305,12 @@ class PDDConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PDDConnectorMetadata)
         for lease in meta.leases:
-            self._leases.add(lease.lease_id, lease.block_ids, lease.consumers, lease.ttl_s)
+            self._leases.add(lease.lease_id, lease.block_ids, lease.consumers, lease.ttl_s, request_id=lease.request_id)
         for spec in meta.pulls:
-            assert self._pulls is not None and self._layout is not None
+            assert self._pulls is not None and self._layout is not None and self._tls is not None
             s = self._settings
             self._inflight[spec.request_id] = self._pulls.submit(
-                len(spec.remote_indices), pull_blocks, spec, self._layout, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic()
+                len(spec.remote_indices), pull_blocks, spec, self._layout, self._tls.client, s.connect_timeout_s, s.transfer_timeout_s, time.monotonic()
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -6,6 +6,9 @@ datacenter pair, names the prefill replica it wants, and the relay forwards
 the bytes both ways, holding the data coming back to the model's RTT, jitter,
 stalls and bandwidth. Cutting a link closes its live connections and refuses
 new ones until the cut ends, so decoders see real mid-transfer failures.
+
+A relay forwards only to registered block servers (app/engine/kv/block_servers.py),
+and what it forwards is the pull's TLS session, end to end: it reads nothing of it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from app.config import LinkConfig, PullOrder
@@ -28,6 +32,8 @@ logger = logging.getLogger(__name__)
 #: enough that Python's per-chunk cost stays far below the emulated rates.
 CHUNK_BYTES = 64 * 1024
 PREAMBLE_LIMIT = 512
+
+Allowed = Callable[[tuple[str, int]], Awaitable[bool]]
 
 
 def direction_name(src_dc: str, dst_dc: str) -> str:
@@ -186,6 +192,8 @@ class LinkCounters:
     bytes_down: int = 0
     """Bytes from the source datacenter to the destination (KV data)."""
     cut_connections: int = 0
+    refused: int = 0
+    """Connections that named no registered block server."""
 
 
 @dataclass
@@ -199,8 +207,10 @@ class _Cut:
 class LinkRelay:
     """One direction of one link: forwards pulls from destination-side decoders to sources."""
 
-    def __init__(self, name: str, model: LinkModel, host: str = "0.0.0.0"):
+    def __init__(self, name: str, model: LinkModel, host: str, allowed: Allowed):
+        """`allowed(address)`: whether `address` is a block server this relay may forward to."""
         self.name = name
+        self._allowed = allowed
         self.model = self._configured = model
         self._host = host
         self._server: asyncio.AbstractServer | None = None
@@ -261,7 +271,13 @@ class LinkRelay:
         try:
             line = await client_r.readuntil(b"\n")
             host, _, port = line[:PREAMBLE_LIMIT].decode().strip().rpartition(":")
-            target_r, target_w = await asyncio.open_connection(host, int(port))
+            target = (host, int(port))
+            if not await self._allowed(target):
+                self.counters.refused += 1
+                logger.warning("link %s: refused to relay to %s:%d, not a registered block server", self.name, *target)
+                client_w.transport.abort()
+                return
+            target_r, target_w = await asyncio.open_connection(*target)
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             logger.info("link %s: cannot open relay: %s", self.name, exc)
             client_w.transport.abort()
@@ -328,8 +344,9 @@ class LinkSet:
 
     relays: dict[str, LinkRelay] = field(default_factory=dict)
 
-    def update(self, configs: list[LinkConfig], destination: str | None = None, host: str = "0.0.0.0") -> None:
-        """Relays for every direction of `configs` (only those into `destination` when given)."""
+    def update(self, configs: list[LinkConfig], host: str, allowed: Allowed, destination: str | None = None) -> None:
+        """Relays for every direction of `configs` (only those into `destination` when given),
+        listening on `host` (the node's address)."""
         for i, cfg in enumerate(configs):
             a, b = cfg.between
             for src, dst in {(a, b), (b, a)}:
@@ -340,7 +357,7 @@ class LinkSet:
                 if name in self.relays:
                     self.relays[name].update(model)
                 else:
-                    self.relays[name] = LinkRelay(name, model, host)
+                    self.relays[name] = LinkRelay(name, model, host, allowed)
 
     async def start(self) -> dict[str, int]:
         return {name: await relay.start() for name, relay in self.relays.items()}

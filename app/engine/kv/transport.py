@@ -1,10 +1,15 @@
 """Moving KV blocks: the prefill side's block server and the decoding side's pull.
 
 Runs inside vLLM's worker process (threads and blocking sockets: there is no
-event loop there). A pull names a lease (the prefill request id) and the block
-indices it wants; the server answers with a header describing the block layout
-and then the raw bytes, block by block, layer by layer. Both sides must hold
-the same model, dtype and block size: the layout is checked, never assumed.
+event loop there). A pull names a lease and the block indices it wants; the
+server answers with a header describing the block layout and then the raw
+bytes, block by block, layer by layer. Both sides must hold the same model,
+dtype and block size: the layout is checked, never assumed.
+
+Every connection is mutual TLS with the cluster's certificates
+(app/engine/cluster_tls.py), end to end: a link relay in between forwards the
+encrypted bytes. A lease id is a capability (128 random bits, issued with the
+prefill's output to the conductor only), not the request id clients see.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import logging
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 import time
@@ -22,10 +28,13 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from app.engine.cluster_tls import PEER_NAME
+
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class PullRequest(msgspec.Struct):
@@ -129,6 +138,8 @@ class KVLayout:
 
 @dataclass
 class Lease:
+    request_id: str
+    """The prefill request whose blocks these are (what vLLM frees when the lease ends)."""
     block_ids: list[int]
     consumers: int
     expires_at: float
@@ -139,18 +150,22 @@ class Lease:
 
 @dataclass
 class LeaseTable:
-    """Leases a prefill worker serves; `done` collects those to free (pulled or expired)."""
+    """Leases a prefill worker serves, by lease id; `done` collects the request ids of
+    those to free (pulled or expired), and `ended` the lease ids that were served."""
 
     leases: dict[str, Lease] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def add(self, lease_id: str, block_ids: list[int], consumers: int, ttl_s: float) -> None:
+    def add(self, lease_id: str, block_ids: list[int], consumers: int, ttl_s: float, request_id: str | None = None) -> None:
+        """`request_id`: what `take_done` reports for it (default: the lease id)."""
+        request_id = lease_id if request_id is None else request_id
         with self.cond:
             if consumers <= 0:
-                self.done.add(lease_id)
+                self.done.add(request_id)
                 return
-            self.leases[lease_id] = Lease(list(block_ids), consumers, time.monotonic() + ttl_s)
+            self.leases[lease_id] = Lease(request_id, list(block_ids), consumers, time.monotonic() + ttl_s)
             self.cond.notify_all()
 
     def begin(self, lease_id: str, timeout_s: float) -> Lease | None:
@@ -161,7 +176,7 @@ class LeaseTable:
         with self.cond:
             while lease_id not in self.leases:
                 left = deadline - time.monotonic()
-                if left <= 0 or lease_id in self.done:
+                if left <= 0 or lease_id in self.ended:
                     return None
                 self.cond.wait(left)
             lease = self.leases[lease_id]
@@ -176,22 +191,27 @@ class LeaseTable:
             lease.serving -= 1
             lease.pulls += 1
             if lease.pulls >= lease.consumers:
-                del self.leases[lease_id]
-                self.done.add(lease_id)
+                self._end(lease_id)
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Leases past their time and not being served (those go when their pull ends)."""
+        """End the leases past their time and not being served (those go when their pull
+        ends); returns their request ids."""
         now = time.monotonic() if now is None else now
         with self.cond:
             gone = [lid for lid, lease in self.leases.items() if lease.expires_at <= now and lease.serving == 0]
-            for lid in gone:
-                del self.leases[lid]
-                self.done.add(lid)
-            return gone
+            return [self._end(lid) for lid in gone]
+
+    def _end(self, lease_id: str) -> str:
+        """(Holding cond.) The lease's blocks go back to vLLM; returns its request id."""
+        request_id = self.leases.pop(lease_id).request_id
+        self.done.add(request_id)
+        self.ended.add(lease_id)
+        return request_id
 
     def take_done(self) -> set[str]:
         with self.cond:
             out, self.done = self.done, set()
+            self.ended.clear()
             return out
 
     def __len__(self) -> int:
@@ -202,9 +222,10 @@ class LeaseTable:
 class BlockServer:
     """Serves leased blocks to pulling decoders (a thread per connection)."""
 
-    def __init__(self, layout_fn: Callable[[], KVLayout | None], leases: LeaseTable, host: str, port: int, lease_wait_s: float = 2.0):
+    def __init__(self, layout_fn: Callable[[], KVLayout | None], leases: LeaseTable, host: str, port: int, tls: ssl.SSLContext, lease_wait_s: float = 2.0):
         self._layout_fn = layout_fn
         self.leases = leases
+        self._tls = tls
         self._lease_wait_s = lease_wait_s
         server = self
 
@@ -219,16 +240,26 @@ class BlockServer:
         self._thread = threading.Thread(target=self._tcp.serve_forever, name="pdd-kv-block-server", daemon=True)
         self._thread.start()
 
-    def _handle(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            req = _recv_msg(sock, PullRequest)
-        except (ConnectionError, OSError, msgspec.DecodeError):
+    def _handle(self, raw: socket.socket) -> None:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:  # a peer without the cluster's certificate is dropped here, before any request is read
+            sock = self._tls.wrap_socket(raw, server_side=True)
+        except OSError:  # ssl.SSLError included
             return
+        with sock:
+            try:
+                req = _recv_msg(sock, PullRequest)
+            except (ConnectionError, OSError, msgspec.DecodeError):
+                return
+            sock.settimeout(None)
+            self._serve(sock, req)
+
+    def _serve(self, sock: ssl.SSLSocket, req: PullRequest) -> None:
         layout = self._layout_fn()
         lease = self.leases.begin(req.lease_id, self._lease_wait_s) if layout is not None else None
         if layout is None or lease is None:
-            why = "KV caches not registered" if layout is None else f"no lease {req.lease_id} (expired or already pulled)"
+            why = "KV caches not registered" if layout is None else "no such lease (expired, already pulled, or never issued)"
             with contextlib.suppress(OSError):
                 _send_msg(sock, PullHeader(ok=False, error=why, lease_gone=layout is not None))
             return
@@ -242,7 +273,7 @@ class BlockServer:
                 for view in layout.block_bytes(lease.block_ids[i]):
                     sock.sendall(view)
         except (ConnectionError, OSError) as exc:
-            logger.info("pull of lease %s by %s broke off: %s", req.lease_id, req.puller, exc)
+            logger.info("pull by %s broke off: %s", req.puller, exc)
         finally:
             self.leases.pulled(req.lease_id)
 
@@ -286,7 +317,9 @@ class PullResult:
     failed_block_ids: list[int] = field(default_factory=list)
 
 
-def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, transfer_timeout_s: float, submitted_at: float | None = None) -> PullResult:
+def pull_blocks(
+    spec: PullSpec, layout: KVLayout, tls: ssl.SSLContext, connect_timeout_s: float, transfer_timeout_s: float, submitted_at: float | None = None
+) -> PullResult:
     """Fetch the blocks into this engine's cache; failures are reported, never raised.
     `submitted_at` (time.monotonic()): when the pull was handed to the pull threads."""
     result = PullResult(spec.request_id, spec.link, requested_blocks=len(spec.remote_indices))
@@ -295,13 +328,12 @@ def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, tran
         result.queued_seconds = max(0.0, t0 - submitted_at)
     written: set[int] = set()
     try:
-        target = spec.relay or spec.source
-        sock = socket.create_connection(target, timeout=connect_timeout_s)
-        with sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(transfer_timeout_s)
-            if spec.relay is not None:
-                sock.sendall(f"{spec.source[0]}:{spec.source[1]}\n".encode())
+        raw = socket.create_connection(spec.relay or spec.source, timeout=connect_timeout_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if spec.relay is not None:  # the relay's preamble, then TLS through it to the source
+            raw.sendall(f"{spec.source[0]}:{spec.source[1]}\n".encode())
+        raw.settimeout(transfer_timeout_s)
+        with tls.wrap_socket(raw, server_hostname=PEER_NAME) as sock:
             _send_msg(sock, PullRequest(spec.lease_id, spec.remote_indices, spec.request_id))
             header = _recv_msg(sock, PullHeader)
             if not header.ok:
@@ -327,11 +359,11 @@ def pull_blocks(spec: PullSpec, layout: KVLayout, connect_timeout_s: float, tran
     return result
 
 
-def release_lease(source: tuple[str, int], lease_id: str, timeout_s: float = 5.0) -> bool:
+def release_lease(source: tuple[str, int], lease_id: str, tls: ssl.SSLContext, timeout_s: float = 5.0) -> bool:
     """Give up one consumer's share of a lease without pulling (nothing left to decode)."""
     try:
-        with socket.create_connection(source, timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
+        raw = socket.create_connection(source, timeout=timeout_s)
+        with tls.wrap_socket(raw, server_hostname=PEER_NAME) as sock:
             _send_msg(sock, PullRequest(lease_id, [], "release"))
             return _recv_msg(sock, PullHeader).ok
     except (OSError, ConnectionError, msgspec.DecodeError):
