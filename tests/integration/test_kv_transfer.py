@@ -154,9 +154,10 @@ def test_data_plane_ports_refuse_clients_without_the_clusters_certificate(app):
     p = app_replicas(app, "Prefill")[0]
     frame = msgspec.msgpack.encode(EngineRequest("hostile", tokens(12, 300), SamplingOptions(max_tokens=8)))
     assert _refused((p["node_ip"], p["token_port"]), struct.pack("!I", len(frame)) + frame)
-    for address in block_servers.registered():
-        pull = msgspec.msgpack.encode(PullRequest("hostile", [0], "hostile"))
-        assert _refused(address, struct.pack("!I", len(pull)) + pull)
+    block_server = block_servers.address_of(p["replica_id"])
+    assert block_server is not None
+    pull = msgspec.msgpack.encode(PullRequest("hostile", [0], "hostile"))
+    assert _refused(block_server, struct.pack("!I", len(pull)) + pull)
     host, port = app.handle(links_deployment("dc-b")).describe.remote().result()[WAN]
     refused_before = Faults(app.name).link_counters(WAN)["refused"]
     assert _refused((host, port), b"127.0.0.1:22\n")

@@ -27,13 +27,22 @@ def unregister(replica_id: str) -> None:
     kv_delete(PREFIX + replica_id, NAMESPACE)
 
 
+def address_of(replica_id: str) -> Address | None:
+    value = kv_get(PREFIX + replica_id, NAMESPACE)
+    return None if value is None else _address(value)
+
+
+def _address(value: bytes) -> Address:
+    host, _, port = value.decode().rpartition(":")
+    return host, int(port)
+
+
 def registered() -> set[Address]:
     out = set()
     for key in kv_keys(PREFIX, NAMESPACE):
         value = kv_get(key, NAMESPACE)
         if value is not None:
-            host, _, port = value.decode().rpartition(":")
-            out.add((host, int(port)))
+            out.add(_address(value))
     return out
 
 
