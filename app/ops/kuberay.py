@@ -106,8 +106,11 @@ def _worker_groups(config: PDDConfig, image: str) -> list[dict[str, Any]]:
 
 
 def _head_group(image: str, http_port: int) -> dict[str, Any]:
-    head_params = {"dashboard-host": "0.0.0.0", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
+    # the dashboard listens on the pod's own address (the agents reach it through the head
+    # service), not every interface; `ray start` runs in a shell, which expands POD_IP
+    head_params = {"dashboard-host": "$POD_IP", "num-gpus": "0", "metrics-export-port": str(METRICS_PORT)}
     head = _container("ray-head", image, 0, 8, "32Gi")
+    head["env"].append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     # the serve service sends traffic to the head's proxy (proxy_location HeadOnly) only while the
     # app can serve: /health answers while every engine is still starting, /ready does not
     head["ports"].append({"containerPort": http_port, "name": "serve"})

@@ -119,3 +119,11 @@ def test_the_head_is_ready_only_while_the_app_can_serve(docs):
     port = yaml.safe_load(GPU_CONFIG.read_text())["http_options"]["port"]
     assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
     assert {"containerPort": port, "name": "serve"} in head["ports"]
+
+
+def test_ray_listens_on_the_pods_own_address():
+    """The head's dashboard binds the pod's address, given to the container by the downward API."""
+    head = manifest(GPU_CONFIG, IMAGE)[0]["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "$POD_IP"
+    env = head["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
