@@ -277,6 +277,10 @@ class EngineServer:
         await self.engine.abort(request_id)
 
     async def reset_prefix_cache(self, target_replica: str | None = None) -> bool:
+        # The router falls back to any replica when it does not (yet) list the target:
+        # answering for another replica's cache would report it emptied when it is not.
+        if target_replica is not None and target_replica != self.replica_id:
+            return False
         return bool(await self.engine.reset_prefix_cache())
 
     async def describe(self, target_replica: str | None = None) -> ReplicaInfo:

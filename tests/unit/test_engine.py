@@ -1,8 +1,11 @@
-"""app/engine/replica.py's conversion of vLLM's per-position logprobs."""
+"""app/engine/replica.py's conversion of vLLM's per-position logprobs, and its control calls."""
+
+import asyncio
+from types import SimpleNamespace
 
 from vllm.logprobs import Logprob
 
-from app.engine.replica import prompt_token_logprobs, token_logprobs
+from app.engine.replica import EngineServer, prompt_token_logprobs, token_logprobs
 from app.engine.token_channel import TokenLogprob
 
 
@@ -23,3 +26,21 @@ def test_a_prompts_logprobs_score_each_token_after_the_first_on_what_came_before
     assert prompt_token_logprobs([7, 8, 10], positions, top=1) == [TokenLogprob(-2.0, [(9, -0.5)]), TokenLogprob(-0.3, [(10, -0.3)])]
     assert prompt_token_logprobs([7, 8, 10], positions, top=None) is None
     assert prompt_token_logprobs([7, 8, 10], [], top=1) is None  # a delta after the prefill's
+
+
+def test_a_replica_asked_to_empty_another_replicas_prefix_cache_says_it_did_not():
+    """Serve's router falls back to any replica when it does not list the target yet: the answer
+    must not report the target's cache emptied."""
+
+    class Engine:
+        resets = 0
+
+        async def reset_prefix_cache(self) -> bool:
+            Engine.resets += 1
+            return True
+
+    replica = SimpleNamespace(replica_id="md-1", engine=Engine())
+    assert asyncio.run(EngineServer.reset_prefix_cache(replica, target_replica="md-2")) is False  # type: ignore[arg-type]
+    assert Engine.resets == 0
+    assert asyncio.run(EngineServer.reset_prefix_cache(replica, target_replica="md-1")) is True  # type: ignore[arg-type]
+    assert Engine.resets == 1
