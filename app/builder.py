@@ -122,7 +122,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             continue
         links[dc] = LinkEmulators.options(  # type: ignore[attr-defined]
             name=deployment_name(dc), ray_actor_options=light_options(config, group), user_config={"links": [lc.model_dump(mode="json") for lc in config.links]}
-        ).bind(dc)
+        ).bind(dc, config.security.model_dump(mode="json"))
     return ConductorIngress.options(  # type: ignore[attr-defined]
         ray_actor_options=light_options(config, home.node_group),
         user_config=config.live_knobs().model_dump(mode="json"),

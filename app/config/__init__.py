@@ -22,6 +22,7 @@ from app.config.model import ModelConfig, ModelSpec
 from app.config.modes import MODE_ROLES, Mode, RoleName
 from app.config.pdd import PDDConfig
 from app.config.roles import EngineConfig, RoleConfig, Roles
+from app.config.security import SecurityConfig
 from app.config.server import ServerConfig
 from app.config.slo import SLOConfig
 
@@ -51,6 +52,7 @@ __all__ = [
     "Roles",
     "RoutingConfig",
     "SLOConfig",
+    "SecurityConfig",
     "ServerConfig",
     "SingularFilterConfig",
     "StallConfig",

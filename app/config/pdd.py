@@ -13,6 +13,7 @@ from app.config.links import LinkConfig, link_key
 from app.config.model import ModelConfig
 from app.config.modes import MODE_ROLES, Mode, RoleName
 from app.config.roles import Roles
+from app.config.security import SecurityConfig
 from app.config.server import ServerConfig
 from app.config.slo import SLOConfig
 
@@ -32,6 +33,7 @@ class PDDConfig(StrictModel):
     slo: SLOConfig = SLOConfig()
     agents: AgentsConfig = AgentsConfig()
     server: ServerConfig = ServerConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> PDDConfig:

@@ -2,7 +2,8 @@
 replicas presents a certificate of the cluster's own CA and accepts only peers
 that do.
 
-The CA and the one certificate every replica presents are generated once per Ray
+The CA and the one certificate every replica presents come from a file when
+`PDD_CLUSTER_TLS_FILE` names one (Kubernetes: a Secret); otherwise they are generated once per Ray
 cluster, by whichever process needs them first, and handed to the others through
 Ray's GCS key-value store (put-if-absent, so concurrent starters agree on one).
 Why there and not derived from Ray's auth token: a cluster may run without token
@@ -20,6 +21,7 @@ import atexit
 import datetime
 import functools
 import json
+import os
 import shutil
 import ssl
 import tempfile
@@ -35,6 +37,7 @@ from app.ray_private import kv_get, kv_put
 
 PEER_NAME = "pdd-data-plane"
 GCS_KEY, GCS_NAMESPACE = "cluster_tls", "pdd"
+TLS_FILE_ENV = "PDD_CLUSTER_TLS_FILE"
 VALIDITY = datetime.timedelta(days=3650)  # rotation is by regeneration (README, Security)
 
 
@@ -151,6 +154,10 @@ def cluster_tls() -> ClusterTLS:
 
 
 def cluster_credentials() -> Credentials:
+    """The file `PDD_CLUSTER_TLS_FILE` names (a Kubernetes Secret mounted in every pod,
+    app/ops/kuberay.py) when set; otherwise the GCS's, made on first use."""
+    if path := os.environ.get(TLS_FILE_ENV):
+        return Credentials.load(path)
     stored = kv_get(GCS_KEY, GCS_NAMESPACE)
     if stored is None:
         kv_put(GCS_KEY, Credentials.generate().to_json(), GCS_NAMESPACE, overwrite=False)

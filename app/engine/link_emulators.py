@@ -14,7 +14,7 @@ from typing import Any
 
 from ray import serve
 
-from app.config import LinkConfig
+from app.config import LinkConfig, SecurityConfig
 from app.engine.kv.block_servers import BlockServerDirectory
 from app.engine.kv.link import LinkSet
 from app.engine.replica import node_ip
@@ -27,22 +27,24 @@ def deployment_name(datacenter: str) -> str:
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000)
 class LinkEmulators:
-    def __init__(self, destination: str) -> None:
+    def __init__(self, destination: str, security: dict[str, Any] | None = None) -> None:
         log_to_stderr()
         self._destination = destination
+        self._security = SecurityConfig.model_validate(security or {})
         self._links = LinkSet()
-        self._host = node_ip()
+        self._advertised = node_ip()
+        self._host = self._security.bind_host or self._advertised
         self._block_servers = BlockServerDirectory()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         configs = [LinkConfig.model_validate(c) for c in user_config.get("links", [])]
-        self._links.update(configs, self._host, self._block_servers.allowed, destination=self._destination)
+        self._links.update(configs, self._host, self._block_servers.allowed, destination=self._destination, security=self._security)
         await self._links.start()
 
     async def describe(self) -> dict[str, tuple[str, int]]:
         """Relay address of each direction, e.g. {"dc-a->dc-b": ("10.0.0.5", 41234)}."""
         ports = await self._links.start()
-        return {name: (self._host, port) for name, port in ports.items()}
+        return {name: (self._advertised, port) for name, port in ports.items()}
 
     async def cut(self, direction: str, seconds: float | None = None) -> None:
         """Sever one direction (e.g. "dc-a->dc-b") for `seconds`, or until restore."""

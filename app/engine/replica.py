@@ -22,6 +22,7 @@ from app.engine.cluster_tls import cluster_tls, credentials_file
 from app.engine.devmodel import resolve_model_source
 from app.engine.env import set_engine_env
 from app.engine.kv import block_servers
+from app.engine.kv.limits import ConnectionLimits
 from app.engine.kv.params import PULL
 from app.engine.token_channel import EngineDelta, EngineRequest, TokenLogprob, TokenStreamServer
 
@@ -89,6 +90,10 @@ def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port:
             "owner_pid": owner_pid,
             "record_steps": config.roles.of(role).engine.record_steps,
             "tls_credentials": credentials_file(),
+            "bind_host": config.security.bind_host,
+            "intra_dc_encryption": config.security.intra_dc_encryption,
+            "max_connections_per_peer": config.security.max_connections_per_peer,
+            "max_connections": config.security.max_connections,
         },
     )
 
@@ -194,7 +199,13 @@ class EngineServer:
         self.kv_bytes_per_block = _kv_bytes_per_block(vllm_config)
         block_servers.register(self.replica_id, (self._node_ip, self.block_port))  # relays may forward to it now
         self.datacenter = config.datacenter_of(role)
-        self._token_server = TokenStreamServer(self.generate, self._node_ip, cluster_tls().server)
+        security = config.security
+        self._token_server = TokenStreamServer(
+            self.generate,
+            security.bind_host or self._node_ip,
+            cluster_tls().server,
+            ConnectionLimits("token channel", security.max_connections_per_peer, security.max_connections),
+        )
         self.model_runner = ""
 
     async def check_runner(self) -> None:

@@ -26,11 +26,15 @@ from typing import Any
 import msgspec
 
 from app.engine.cluster_tls import PEER_NAME
+from app.engine.kv.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Per direction: a request carries a prompt and its sampling (a 1M-token prompt is ~5 MiB);
+#: a delta may carry a long prompt's logprobs.
+MAX_REQUEST_FRAME_BYTES = 16 * 1024 * 1024
+MAX_DELTA_FRAME_BYTES = 64 * 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 5.0
 #: A reader this far behind is dropped rather than buffered without bound.
 MAX_WRITE_BUFFER_BYTES = 64 * 1024 * 1024
@@ -134,10 +138,14 @@ class ChannelClosed(ConnectionError):
     """The engine replica went away mid-stream (crash, kill, network)."""
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Frame:
+class FrameTooLarge(ConnectionError):
+    pass
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> Frame:
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > MAX_FRAME_BYTES:
-        raise ConnectionError(f"frame of {size} bytes exceeds the limit")
+    if size > limit:
+        raise FrameTooLarge(f"a frame of {size} bytes, over the {limit}-byte limit")
     return _decoder.decode(await reader.readexactly(size))
 
 
@@ -185,10 +193,11 @@ DeltaSource = Callable[[EngineRequest], AsyncGenerator[EngineDelta, None]]
 class TokenStreamServer:
     """Serves EngineRequests with `source`; cancelling a stream aborts its request."""
 
-    def __init__(self, source: DeltaSource, host: str, tls: ssl.SSLContext):
+    def __init__(self, source: DeltaSource, host: str, tls: ssl.SSLContext, limits: ConnectionLimits):
         self._source = source
         self._host = host
         self._tls = tls
+        self.limits = limits
         self._server: asyncio.AbstractServer | None = None
         self.port: int | None = None
 
@@ -200,11 +209,21 @@ class TokenStreamServer:
         return self.port
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(writer.get_extra_info("peername")[0])
+        if not self.limits.admit(peer):
+            writer.transport.abort()
+            return
+        try:
+            await self._serve_requests(reader, writer, peer)
+        finally:
+            self.limits.release(peer)
+
+    async def _serve_requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         out = _FrameWriter(writer)
         tasks: dict[str, asyncio.Task] = {}
         try:
             while True:
-                frame = await _read_frame(reader)
+                frame = await _read_frame(reader, MAX_REQUEST_FRAME_BYTES)
                 if isinstance(frame, EngineRequest):
                     task = tasks[frame.request_id] = asyncio.create_task(self._run(frame, out))
                     task.add_done_callback(functools.partial(_forget, tasks, frame.request_id))
@@ -212,6 +231,8 @@ class TokenStreamServer:
                     running = tasks.pop(frame.request_id, None)
                     if running is not None:
                         running.cancel()
+        except FrameTooLarge as exc:
+            logger.warning("token channel: closing the connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
             pass
         finally:
@@ -278,7 +299,7 @@ class TokenStreamClient:
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                frame = await _read_frame(reader)
+                frame = await _read_frame(reader, MAX_DELTA_FRAME_BYTES)
                 if isinstance(frame, EngineDelta):
                     queue = self._streams.get(frame.request_id)
                     if queue is not None:

@@ -145,3 +145,11 @@ def test_config_survives_the_trip_to_the_replicas(path):
     """Replicas receive the config as JSON and validate it again: defaults included."""
     config = load_config(path)
     assert PDDConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_a_data_plane_bind_address_that_is_no_address_names_the_field(args):
+    args["security"] = {"bind_host": "my-node"}
+    with pytest.raises(ConfigError, match=r"security\.bind_host"):
+        parse_config(args)
+    args["security"] = {"bind_host": "10.0.0.7", "intra_dc_encryption": False}
+    assert not parse_config(args).security.intra_dc_encryption

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -37,10 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from app.config import PullOrder
 from app.engine.cluster_tls import ClusterTLS, Credentials
+from app.engine.kv.leases import LeaseIds, LeaseTable
+from app.engine.kv.limits import ConnectionLimits
 from app.engine.kv.params import LEASE, PRODUCE, PULL
 from app.engine.kv.pull_threads import PullThreads
 from app.engine.kv.steps import StepClock
-from app.engine.kv.transport import BlockServer, KVLayout, LeaseTable, PullResult, PullSpec, pull_blocks
+from app.engine.kv.transport import BlockServer, KVLayout, PullResult, PullSpec, pull_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,6 +60,8 @@ class ConnectorSettings:
     datacenter: str
     host: str
     """Address decoders reach this engine's block server at (the node's IP)."""
+    bind_host: str
+    """Address the block server listens on (`security.bind_host`, else `host`)."""
     block_port: int
     lease_timeout_s: float
     connect_timeout_s: float
@@ -73,12 +76,17 @@ class ConnectorSettings:
     """Which waiting pull a freed pull thread takes (KVTransferSettings.pull_order)."""
     tls_credentials: str = ""
     """The file of the cluster's TLS credentials (app/engine/cluster_tls.py credentials_file)."""
+    intra_dc_encryption: bool = True
+    """`security.intra_dc_encryption`: off, pulls from this datacenter's block servers send blocks outside TLS."""
+    max_connections_per_peer: int = 64
+    max_connections: int = 256
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         return cls(
             datacenter=str(extra.get("datacenter", "")),
             host=str(extra.get("host", "127.0.0.1")),
+            bind_host=str(extra.get("bind_host") or extra.get("host", "127.0.0.1")),
             block_port=int(extra.get("block_port", 0)),
             lease_timeout_s=float(extra.get("lease_timeout_s", 60.0)),
             connect_timeout_s=float(extra.get("connect_timeout_s", 5.0)),
@@ -88,6 +96,9 @@ class ConnectorSettings:
             concurrent_pulls=int(extra.get("concurrent_pulls", 8)),
             pull_order=PullOrder(extra.get("pull_order", PullOrder.smallest_first.value)),
             tls_credentials=str(extra.get("tls_credentials", "")),
+            intra_dc_encryption=bool(extra.get("intra_dc_encryption", True)),
+            max_connections_per_peer=int(extra.get("max_connections_per_peer", 64)),
+            max_connections=int(extra.get("max_connections", 256)),
         )
 
 
@@ -172,6 +183,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._pull_planned: set[str] = set()
         self._reports: list[dict[str, Any]] = []
         self._leases_live: set[str] = set()
+        self._lease_ids: LeaseIds | None = None
         self._step_clock = StepClock() if self._settings.record_steps else None
         # worker side
         self._layout: KVLayout | None = None
@@ -223,6 +235,7 @@ class PDDConnector(KVConnectorBase_V1):
             link=pull.get("link", ""),
             remote_indices=indices,
             local_block_ids=local,
+            plaintext=not self._settings.intra_dc_encryption and pull.get("datacenter") == self._settings.datacenter,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -265,7 +278,7 @@ class PDDConnector(KVConnectorBase_V1):
         if not produce or not blocks or not finished_ok:
             return False, None
         consumers = int(produce.get("consumers", 1))
-        lease_id = secrets.token_urlsafe(16)  # a capability: 128 random bits, never shown to clients
+        lease_id = self._ids().issue()  # a capability, never shown to clients
         self._new_leases.append(LeaseSpec(rid, lease_id, blocks, consumers, self._settings.lease_timeout_s))
         self._leases_live.add(rid)
         lease = {
@@ -277,6 +290,12 @@ class PDDConnector(KVConnectorBase_V1):
             "datacenter": self._settings.datacenter,
         }
         return True, {LEASE: lease}
+
+    def _ids(self) -> LeaseIds:
+        if self._lease_ids is None:
+            key = Credentials.load(self._settings.tls_credentials).key
+            self._lease_ids = LeaseIds.for_block_server(key, (self._settings.host, self._settings.block_port))
+        return self._lease_ids
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role is not KVConnectorRole.SCHEDULER:
@@ -296,8 +315,17 @@ class PDDConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._layout = KVLayout.from_caches(kv_caches, self._kv_cache_config.num_blocks)
-        self._tls = ClusterTLS(Credentials.load(self._settings.tls_credentials))
-        self._server = BlockServer(lambda: self._layout, self._leases, self._settings.host, self._settings.block_port, self._tls.server)
+        s = self._settings
+        self._tls = ClusterTLS(Credentials.load(s.tls_credentials))
+        self._server = BlockServer(
+            lambda: self._layout,
+            self._leases,
+            self._ids(),
+            (s.bind_host, s.block_port),
+            self._tls.server,
+            ConnectionLimits("KV block server", s.max_connections_per_peer, s.max_connections),
+            allow_plaintext=not s.intra_dc_encryption,
+        )
         self._pulls = PullThreads(self._settings.concurrent_pulls, self._settings.pull_order)
         logger.info("PDDConnector: block server on port %d, %d bytes per block", self._server.port, self._layout.block_nbytes)
 

@@ -24,7 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from app.config import LinkConfig, PullOrder
+from app.config import LinkConfig, PullOrder, SecurityConfig
+from app.engine.kv.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: enough that Python's per-chunk cost stays far below the emulated rates.
 CHUNK_BYTES = 64 * 1024
 PREAMBLE_LIMIT = 512
+#: A connection that names no block server within this is dropped.
+PREAMBLE_TIMEOUT_S = 5.0
 
 Allowed = Callable[[tuple[str, int]], Awaitable[bool]]
 
@@ -207,9 +210,11 @@ class _Cut:
 class LinkRelay:
     """One direction of one link: forwards pulls from destination-side decoders to sources."""
 
-    def __init__(self, name: str, model: LinkModel, host: str, allowed: Allowed):
+    def __init__(self, name: str, model: LinkModel, host: str, allowed: Allowed, security: SecurityConfig | None = None):
         """`allowed(address)`: whether `address` is a block server this relay may forward to."""
+        security = security or SecurityConfig()
         self.name = name
+        self.limits = ConnectionLimits(f"link relay {name}", security.max_connections_per_peer, security.max_connections)
         self._allowed = allowed
         self.model = self._configured = model
         self._host = host
@@ -263,13 +268,20 @@ class LinkRelay:
         return self._cut.active()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        if self._cut.active():
+        peer = str(client_w.get_extra_info("peername")[0])
+        if self._cut.active() or not self.limits.admit(peer):
             client_w.transport.abort()
             return
+        try:
+            await self._relay(client_r, client_w)
+        finally:
+            self.limits.release(peer)
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.counters.connections += 1
         target_w = None
         try:
-            line = await client_r.readuntil(b"\n")
+            line = await asyncio.wait_for(client_r.readuntil(b"\n"), PREAMBLE_TIMEOUT_S)
             host, _, port = line[:PREAMBLE_LIMIT].decode().strip().rpartition(":")
             target = (host, int(port))
             if not await self._allowed(target):
@@ -278,7 +290,7 @@ class LinkRelay:
                 client_w.transport.abort()
                 return
             target_r, target_w = await asyncio.open_connection(*target)
-        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        except (OSError, ValueError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             logger.info("link %s: cannot open relay: %s", self.name, exc)
             client_w.transport.abort()
             return
@@ -344,9 +356,9 @@ class LinkSet:
 
     relays: dict[str, LinkRelay] = field(default_factory=dict)
 
-    def update(self, configs: list[LinkConfig], host: str, allowed: Allowed, destination: str | None = None) -> None:
+    def update(self, configs: list[LinkConfig], host: str, allowed: Allowed, destination: str | None = None, security: SecurityConfig | None = None) -> None:
         """Relays for every direction of `configs` (only those into `destination` when given),
-        listening on `host` (the node's address)."""
+        listening on `host` (the node's address), with `security`'s connection bounds."""
         for i, cfg in enumerate(configs):
             a, b = cfg.between
             for src, dst in {(a, b), (b, a)}:
@@ -357,7 +369,7 @@ class LinkSet:
                 if name in self.relays:
                     self.relays[name].update(model)
                 else:
-                    self.relays[name] = LinkRelay(name, model, host, allowed)
+                    self.relays[name] = LinkRelay(name, model, host, allowed, security)
 
     async def start(self) -> dict[str, int]:
         return {name: await relay.start() for name, relay in self.relays.items()}

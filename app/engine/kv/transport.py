@@ -8,8 +8,10 @@ dtype and block size: the layout is checked, never assumed.
 
 Every connection is mutual TLS with the cluster's certificates
 (app/engine/cluster_tls.py), end to end: a link relay in between forwards the
-encrypted bytes. A lease id is a capability (128 random bits, issued with the
-prefill's output to the conductor only), not the request id clients see.
+encrypted bytes. With `security.intra_dc_encryption` off, a pull inside one
+datacenter still authenticates and sends its request over TLS, then both ends
+close TLS (close_notify) and the blocks follow in plaintext. A lease id is a
+capability (app/engine/kv/leases.py), not the request id clients see.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
 
 from app.engine.cluster_tls import PEER_NAME
+from app.engine.kv.leases import FRESH_S, Lease, LeaseIds, LeaseTable
+from app.engine.kv.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,9 @@ class PullRequest(msgspec.Struct):
     """Positions in the lease's block list to send, in order."""
     puller: str
     """Who pulls (request id on the decoding side), for logs."""
+    plaintext: bool = False
+    """After this request and the header, send the blocks outside TLS (an intra-datacenter
+    pull with `security.intra_dc_encryption` off); a server that encrypts every pull refuses."""
 
 
 class PullHeader(msgspec.Struct):
@@ -136,96 +144,26 @@ class KVLayout:
 # ---- prefill side ---------------------------------------------------------------
 
 
-@dataclass
-class Lease:
-    request_id: str
-    """The prefill request whose blocks these are (what vLLM frees when the lease ends)."""
-    block_ids: list[int]
-    consumers: int
-    expires_at: float
-    pulls: int = 0
-    serving: int = 0
-    """Pulls being sent right now: the blocks must outlive them, whatever the clock says."""
-
-
-@dataclass
-class LeaseTable:
-    """Leases a prefill worker serves, by lease id; `done` collects the request ids of
-    those to free (pulled or expired), and `ended` the lease ids that were served."""
-
-    leases: dict[str, Lease] = field(default_factory=dict)
-    done: set[str] = field(default_factory=set)
-    ended: set[str] = field(default_factory=set)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-    def add(self, lease_id: str, block_ids: list[int], consumers: int, ttl_s: float, request_id: str | None = None) -> None:
-        """`request_id`: what `take_done` reports for it (default: the lease id)."""
-        request_id = lease_id if request_id is None else request_id
-        with self.cond:
-            if consumers <= 0:
-                self.done.add(request_id)
-                return
-            self.leases[lease_id] = Lease(request_id, list(block_ids), consumers, time.monotonic() + ttl_s)
-            self.cond.notify_all()
-
-    def begin(self, lease_id: str, timeout_s: float) -> Lease | None:
-        """The lease, marked as being served; waits briefly, because a pull can arrive
-        before the engine's next step hands the finished prefill's lease to this worker.
-        Every successful begin() is followed by pulled()."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while lease_id not in self.leases:
-                left = deadline - time.monotonic()
-                if left <= 0 or lease_id in self.ended:
-                    return None
-                self.cond.wait(left)
-            lease = self.leases[lease_id]
-            lease.serving += 1
-            return lease
-
-    def pulled(self, lease_id: str) -> None:
-        with self.cond:
-            lease = self.leases.get(lease_id)
-            if lease is None:
-                return
-            lease.serving -= 1
-            lease.pulls += 1
-            if lease.pulls >= lease.consumers:
-                self._end(lease_id)
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """End the leases past their time and not being served (those go when their pull
-        ends); returns their request ids."""
-        now = time.monotonic() if now is None else now
-        with self.cond:
-            gone = [lid for lid, lease in self.leases.items() if lease.expires_at <= now and lease.serving == 0]
-            return [self._end(lid) for lid in gone]
-
-    def _end(self, lease_id: str) -> str:
-        """(Holding cond.) The lease's blocks go back to vLLM; returns its request id."""
-        request_id = self.leases.pop(lease_id).request_id
-        self.done.add(request_id)
-        self.ended.add(lease_id)
-        return request_id
-
-    def take_done(self) -> set[str]:
-        with self.cond:
-            out, self.done = self.done, set()
-            self.ended.clear()
-            return out
-
-    def __len__(self) -> int:
-        with self.cond:
-            return len(self.leases)
-
-
 class BlockServer:
-    """Serves leased blocks to pulling decoders (a thread per connection)."""
+    """Serves leased blocks to pulling decoders (a thread per connection, their number bounded)."""
 
-    def __init__(self, layout_fn: Callable[[], KVLayout | None], leases: LeaseTable, host: str, port: int, tls: ssl.SSLContext, lease_wait_s: float = 2.0):
+    def __init__(
+        self,
+        layout_fn: Callable[[], KVLayout | None],
+        leases: LeaseTable,
+        ids: LeaseIds,
+        address: tuple[str, int],
+        tls: ssl.SSLContext,
+        limits: ConnectionLimits,
+        allow_plaintext: bool = False,
+        lease_wait_s: float = 2.0,
+    ):
         self._layout_fn = layout_fn
         self.leases = leases
+        self._ids = ids
         self._tls = tls
+        self.limits = limits
+        self._allow_plaintext = allow_plaintext
         self._lease_wait_s = lease_wait_s
         server = self
 
@@ -233,9 +171,20 @@ class BlockServer:
             def handle(self) -> None:
                 server._handle(self.request)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._tcp = socketserver.ThreadingTCPServer((host, port), Handler)
-        self._tcp.daemon_threads = True
+        class Listener(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+            def verify_request(self, request: Any, client_address: Any) -> bool:
+                return limits.admit(client_address[0])  # refused: closed at once, no thread started
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    limits.release(client_address[0])
+
+        self._tcp = Listener(address, Handler)
         self.port = self._tcp.server_address[1]
         self._thread = threading.Thread(target=self._tcp.serve_forever, name="pdd-kv-block-server", daemon=True)
         self._thread.start()
@@ -255,23 +204,42 @@ class BlockServer:
             sock.settimeout(None)
             self._serve(sock, req)
 
+    def _lease(self, req: PullRequest) -> Lease | PullHeader:
+        """The lease being served to this pull, or the refusal to send."""
+        if self._layout_fn() is None:
+            return PullHeader(ok=False, error="KV caches not registered")
+        if req.plaintext and not self._allow_plaintext:
+            return PullHeader(ok=False, error="this block server encrypts every pull (security.intra_dc_encryption is on)")
+        age = self._ids.age_s(req.lease_id)
+        if age is None:
+            return PullHeader(ok=False, error="no such lease (not one this block server issued)", lease_gone=True)
+        lease = self.leases.begin(req.lease_id, self._lease_wait_s if age < FRESH_S else 0.0)
+        if lease is None:
+            return PullHeader(ok=False, error="no such lease (expired, already pulled, or never issued)", lease_gone=True)
+        return lease
+
     def _serve(self, sock: ssl.SSLSocket, req: PullRequest) -> None:
-        layout = self._layout_fn()
-        lease = self.leases.begin(req.lease_id, self._lease_wait_s) if layout is not None else None
-        if layout is None or lease is None:
-            why = "KV caches not registered" if layout is None else "no such lease (expired, already pulled, or never issued)"
+        lease = self._lease(req)
+        if isinstance(lease, PullHeader):
             with contextlib.suppress(OSError):
-                _send_msg(sock, PullHeader(ok=False, error=why, lease_gone=layout is not None))
+                _send_msg(sock, lease)
             return
         try:
+            layout = self._layout_fn()
+            assert layout is not None
             bad = [i for i in req.indices if not 0 <= i < len(lease.block_ids)]
             if bad:
                 _send_msg(sock, PullHeader(ok=False, error=f"block indices {bad[:5]} outside the lease's {len(lease.block_ids)} blocks"))
                 return
             _send_msg(sock, PullHeader(ok=True, layout=layout.describe(), block_nbytes=layout.block_nbytes, count=len(req.indices)))
+            out: socket.socket = sock
+            if req.plaintext:
+                sock.settimeout(HANDSHAKE_TIMEOUT_S)  # the puller's close_notify
+                out = sock.unwrap()
+                out.settimeout(None)
             for i in req.indices:
                 for view in layout.block_bytes(lease.block_ids[i]):
-                    sock.sendall(view)
+                    out.sendall(view)
         except (ConnectionError, OSError) as exc:
             logger.info("pull by %s broke off: %s", req.puller, exc)
         finally:
@@ -299,6 +267,8 @@ class PullSpec:
     remote_indices: list[int]
     local_block_ids: list[int]
     """Where each pulled block goes in this engine's cache."""
+    plaintext: bool = False
+    """Receive the blocks outside TLS (`PullRequest.plaintext`)."""
 
 
 @dataclass
@@ -334,19 +304,20 @@ def pull_blocks(
             raw.sendall(f"{spec.source[0]}:{spec.source[1]}\n".encode())
         raw.settimeout(transfer_timeout_s)
         with tls.wrap_socket(raw, server_hostname=PEER_NAME) as sock:
-            _send_msg(sock, PullRequest(spec.lease_id, spec.remote_indices, spec.request_id))
+            _send_msg(sock, PullRequest(spec.lease_id, spec.remote_indices, spec.request_id, spec.plaintext))
             header = _recv_msg(sock, PullHeader)
             if not header.ok:
                 raise (LeaseGone if header.lease_gone else ConnectionError)(header.error or "refused")
             mine = layout.describe()
             if [list(x) for x in header.layout] != [list(x) for x in mine]:
                 raise ValueError(f"KV layout differs: source {header.layout[:1]}..., here {mine[:1]}...")
+            blocks_from: socket.socket = sock.unwrap() if spec.plaintext else sock
             buf = memoryview(bytearray(header.block_nbytes))
             deadline = t0 + transfer_timeout_s
             for local in spec.local_block_ids:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"transfer exceeded {transfer_timeout_s:.0f} s")
-                _recv_exact(sock, header.block_nbytes, buf)
+                _recv_exact(blocks_from, header.block_nbytes, buf)
                 result.bytes += header.block_nbytes
                 result.blocks += 1
                 layout.write_block(local, buf)
