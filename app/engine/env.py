@@ -1,5 +1,6 @@
-"""The process environment an engine starts with: the model runner the config chose
-and, on CPU, how engines that share a host share its cores."""
+"""The process environment an engine starts with: the model runner the config chose,
+on CPU how engines that share a host share its cores, and where a one-process engine's
+torch.distributed groups listen (loopback)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,28 @@ def engine_env(config: PDDConfig, role: RoleName, environ: Mapping[str, str]) ->
         # With several engines on a few cores the polling took the models' CPU.
         # Off, the model runs in the engine core process, as on GPUs.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if single_process(rc.engine.tensor_parallel_size, rc.engine.extra):
+        # vLLM's engine core makes ~13 torch.distributed gloo groups, each listening on the address
+        # this host's name resolves to (the LAN address on most hosts, the pod's on Kubernetes),
+        # without authentication. An engine of one process only talks to itself: loopback.
+        env["GLOO_SOCKET_IFNAME"] = environ.get("GLOO_SOCKET_IFNAME") or loopback_interface()
     return env
+
+
+def single_process(tensor_parallel_size: int, extra: Mapping[str, object]) -> bool:
+    """Whether vLLM runs the engine as one worker (no peers to reach over the network)."""
+    sizes = [tensor_parallel_size, *(extra.get(k, 1) for k in ("pipeline_parallel_size", "data_parallel_size"))]
+    return all(int(str(size)) == 1 for size in sizes)
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
 
 
 def set_engine_env(config: PDDConfig, role: RoleName) -> None:
