@@ -8,7 +8,12 @@ engines: P-MD (pdd-serve pulls only the blocks MD lacks) and pd_cross_dc_naive
 real byte stream; the floor is the blocks MD lacks x bytes per block; transfer
 time is compared with the link model (RTT + bytes / bandwidth).
 
+The encrypted column (bench/kv_tls.py, after the Ray app has stopped): WAN pull
+time and intra-DC throughput with mutual TLS vs plaintext, at the transport
+level. `--tls-only` runs just that, without Ray.
+
     python bench/kv_transfer.py [--tokens 2048] [--repeats 3] [--json out.json]
+    python bench/kv_transfer.py --tls-only [--tls-repeats 9] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,9 +31,8 @@ from rich.table import Table
 
 from app.config import LinkConfig
 from app.engine.kv.link import LinkModel
-from app.ops.faults import Faults
-from bench.common import LocalApp, completion_journey, median, wait_http, write_outputs
-from tests.conftest import local_args, set_wan
+from bench import kv_tls
+from bench.common import median, write_outputs
 
 console = Console(width=150)
 HIT_RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -37,6 +41,8 @@ BLOCK = 32
 
 
 def bench_args(bandwidth_mbps: float, rtt_ms: float) -> dict:
+    from tests.conftest import local_args, set_wan
+
     args = local_args()
     # every request goes P-MD: this benchmark measures what crosses the WAN, not the relay
     args["routing"] = {"max_wan_transfer_ms": 1e9}
@@ -57,7 +63,17 @@ def main() -> None:
     ap.add_argument("--bandwidth-mbps", type=float, default=40.0)
     ap.add_argument("--rtt-ms", type=float, default=30.0)
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--tls-only", action="store_true", help="only the encrypted column (bench/kv_tls.py): no Ray app")
+    ap.add_argument("--tls-repeats", type=int, default=9, help="alternating TLS / plaintext pairs per measure")
     a = ap.parse_args()
+    if a.tls_only:
+        tls_rows, tls_summary = kv_tls.run(a.bandwidth_mbps, a.rtt_ms, a.tls_repeats, console)
+        csv_path = write_outputs("kv_transfer_tls", tls_rows, tls_summary, a.json_path)
+        console.print(f"wrote {csv_path}")
+        return
+
+    from app.ops.faults import Faults
+    from bench.common import LocalApp, completion_journey, wait_http
 
     args = bench_args(a.bandwidth_mbps, a.rtt_ms)
     link = LinkModel(LinkConfig(between=("dc-a", "dc-b"), bandwidth_mbps=a.bandwidth_mbps, rtt_ms=a.rtt_ms))
@@ -154,8 +170,11 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
+    tls_rows, tls_summary = kv_tls.run(a.bandwidth_mbps, a.rtt_ms, a.tls_repeats, console)
+    summary.update(tls_summary)
+    tls_csv = write_outputs("kv_transfer_tls", tls_rows, {}, None)
     csv_path = write_outputs("kv_transfer", rows, summary, a.json_path, plot)
-    console.print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
+    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {tls_csv}")
 
 
 if __name__ == "__main__":
