@@ -23,11 +23,11 @@ class SecurityConfig(StrictModel):
     """Address the data-plane listeners bind: None binds the node's own address as Ray reports
     it. An explicit address (an interface's IP; `0.0.0.0` for all) is for hosts whose Ray
     address is not the one peers reach."""
-    max_connections_per_peer: Annotated[int, Field(ge=1)] = 64
+    max_connections_per_peer: Annotated[int, Field(ge=1)] = 128
     """Connections one address may hold open to one block server or link relay; beyond it new
     ones are closed at once (logged). A link relay's pulls all come from its address, so this
-    must cover every decoder's `kv.concurrent_pulls` behind one relay."""
-    max_connections: Annotated[int, Field(ge=1)] = 256
+    must cover every decoder's `kv.concurrent_pulls` behind one relay, or on one node without relays."""
+    max_connections: Annotated[int, Field(ge=1)] = 512
     """Connections one block server or link relay holds open in all (a thread each on block servers)."""
 
     @field_validator("bind_host")

@@ -314,6 +314,16 @@ class EngineServer:
         """The connector's view: leases this engine holds for decoders to pull."""
         return {"replica_id": self.replica_id, "leases_live": self._connector.leases_live}
 
+    async def data_plane_state(self, target_replica: str | None = None) -> dict[str, Any]:
+        """Open and refused connections of the token channel and each worker's block server
+        (with its leases and its process's threads): what a hostile client would exhaust."""
+        channel = self._token_server.limits
+        return {
+            "replica_id": self.replica_id,
+            "token_channel": {"open_connections": channel.open, "refused_connections": channel.refused},
+            "block_servers": await self.engine.collective_rpc("pdd_block_server_state"),
+        }
+
     async def expire_leases(self, target_replica: str | None = None) -> int:
         """Release this engine's KV leases now (fault injection; a stuck lease)."""
         return sum(await self.engine.collective_rpc("pdd_expire_leases"))

@@ -5,19 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import socket
-import struct
 import threading
 import time
 
-import msgspec
 import pytest
 
 from app.engine.cluster_tls import cluster_tls
-from app.engine.kv import block_servers
 from app.engine.kv.params import PRODUCE
-from app.engine.kv.transport import PullRequest
-from app.engine.link_emulators import deployment_name as links_deployment
 from app.engine.token_channel import EngineRequest, SamplingOptions, TokenStreamClient
 from app.ops.cluster import orphans
 from app.ops.faults import Faults
@@ -133,39 +127,6 @@ def test_unpulled_lease_expires(app):
     asyncio.run(produce())
     assert wait_leases(app, 1, timeout_s=5) == 1
     assert wait_leases(app, 0, timeout_s=LEASE_TIMEOUT_S + 10) == 0
-
-
-def _refused(address: tuple[str, int], first_bytes: bytes) -> bool:
-    """Whether a plaintext client that sends `first_bytes` is closed on without an answer."""
-    with socket.create_connection(address, timeout=10) as sock:
-        sock.sendall(first_bytes)
-        try:
-            return sock.recv(1024) == b""
-        except ConnectionResetError:
-            return True
-
-
-def test_data_plane_ports_refuse_clients_without_the_clusters_certificate(app):
-    """A client with no credentials on the running app's real ports: an engine's token channel
-    (a well-formed request frame), its KV block server (a pull of a live lease's id, guessed
-    as the old scheme would have it: the request id) and the WAN relay (asked for another
-    host's port). Each is refused, and a request served afterwards is unchanged."""
-    before, _ = completion(app, tokens(12, 300), 8, mode="pd_intra_dc")
-    p = app_replicas(app, "Prefill")[0]
-    frame = msgspec.msgpack.encode(EngineRequest("hostile", tokens(12, 300), SamplingOptions(max_tokens=8)))
-    assert _refused((p["node_ip"], p["token_port"]), struct.pack("!I", len(frame)) + frame)
-    block_server = block_servers.address_of(p["replica_id"])
-    assert block_server is not None
-    pull = msgspec.msgpack.encode(PullRequest("hostile", [0], "hostile"))
-    assert _refused(block_server, struct.pack("!I", len(pull)) + pull)
-    host, port = app.handle(links_deployment("dc-b")).describe.remote().result()[WAN]
-    refused_before = Faults(app.name).link_counters(WAN)["refused"]
-    assert _refused((host, port), b"127.0.0.1:22\n")
-    assert Faults(app.name).link_counters(WAN)["refused"] == refused_before + 1
-    if p["node_ip"] != "127.0.0.1":  # bound to the node's address, not every interface
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", p["token_port"]), timeout=5).close()
-    assert completion(app, tokens(12, 300), 8, mode="pd_intra_dc")[0] == before
 
 
 def app_replicas(app, deployment: str) -> list[dict]:

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from app.config import PullOrder
+from app.config import PullOrder, SecurityConfig
 from app.engine.cluster_tls import ClusterTLS, Credentials
 from app.engine.kv.leases import LeaseIds, LeaseTable
 from app.engine.kv.limits import ConnectionLimits
@@ -78,8 +78,8 @@ class ConnectorSettings:
     """The file of the cluster's TLS credentials (app/engine/cluster_tls.py credentials_file)."""
     intra_dc_encryption: bool = True
     """`security.intra_dc_encryption`: off, pulls from this datacenter's block servers send blocks outside TLS."""
-    max_connections_per_peer: int = 64
-    max_connections: int = 256
+    max_connections_per_peer: int = SecurityConfig().max_connections_per_peer
+    max_connections: int = SecurityConfig().max_connections
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -97,8 +97,8 @@ class ConnectorSettings:
             pull_order=PullOrder(extra.get("pull_order", PullOrder.smallest_first.value)),
             tls_credentials=str(extra.get("tls_credentials", "")),
             intra_dc_encryption=bool(extra.get("intra_dc_encryption", True)),
-            max_connections_per_peer=int(extra.get("max_connections_per_peer", 64)),
-            max_connections=int(extra.get("max_connections", 256)),
+            max_connections_per_peer=int(extra.get("max_connections_per_peer", cls.max_connections_per_peer)),
+            max_connections=int(extra.get("max_connections", cls.max_connections)),
         )
 
 
@@ -378,6 +378,11 @@ class PDDConnector(KVConnectorBase_V1):
 
     def expire_all_leases(self) -> int:
         return len(self._leases.expire(now=float("inf")))
+
+    def block_server_state(self) -> dict[str, int]:
+        assert self._server is not None
+        limits = self._server.limits
+        return {"open_connections": limits.open, "refused_connections": limits.refused, "leases": len(self._leases), "threads": threading.active_count()}
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -22,10 +22,18 @@ class ConnectorControl:
 
     def pdd_expire_leases(self) -> int:
         """Release every lease not being pulled right now, as if its timeout had passed."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        return _connector().expire_all_leases()
 
-        from app.engine.kv.connector import PDDConnector
+    def pdd_block_server_state(self) -> dict[str, int]:
+        """The block server's open and refused connections, leases held, and this worker process's threads."""
+        return _connector().block_server_state()
 
-        connector = get_kv_transfer_group()
-        assert isinstance(connector, PDDConnector)
-        return connector.expire_all_leases()
+
+def _connector():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from app.engine.kv.connector import PDDConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, PDDConnector)
+    return connector
