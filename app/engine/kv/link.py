@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: enough that Python's per-chunk cost stays far below the emulated rates.
 CHUNK_BYTES = 64 * 1024
 PREAMBLE_LIMIT = 512
+#: How far the relay may run ahead of (or make up behind) the link's pacing, in seconds.
+PACE_SLACK_S = 0.003
 #: A connection that names no block server within this is dropped.
 PREAMBLE_TIMEOUT_S = 5.0
 
@@ -331,10 +333,12 @@ class LinkRelay:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stall_lifted.wait(), held_s)
             now = time.monotonic()
-            # pulls share the bandwidth: each chunk queues behind what is already on the wire
-            start = max(now, self._free_at)
+            # Pulls share the bandwidth: each chunk queues behind what is already on the wire.
+            # asyncio sleeps no shorter than ~1 ms, far longer than a fast link's chunk: the
+            # relay sleeps only once a few ms ahead, and keeps credit for a sleep's overshoot.
+            start = max(now - PACE_SLACK_S, self._free_at)
             self._free_at = start + len(data) / self.model.bytes_per_s
-            if self._free_at > now:
+            if self._free_at > now + PACE_SLACK_S:
                 await asyncio.sleep(self._free_at - now)
             if self._cut.active():
                 raise ConnectionResetError("link cut")
