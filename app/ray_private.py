@@ -3,10 +3,13 @@
 Ray 2.60 has no public equivalent for these; an upgrade that moves one breaks here only.
 - The GCS key-value store (`ray.experimental.internal_kv`): the conductor saves its prefix
   index there so that the next conductor starts from it; the data plane's TLS credentials
-  are handed to replicas there (app/engine/cluster_tls.py). Public alternatives (a named
+  are handed to replicas there (app/engine/cluster_tls.py), and so is the API key generated
+  when none is configured (app/api/auth.py). Public alternatives (a named
   actor, a Serve deployment) would die with the cluster's nodes; the GCS outlives them.
 - The dashboard's auth header (`ray._private.authentication`): the agents call Serve's
   REST API on a cluster with token auth, as Ray's own dashboard SDK does.
+- The address Serve's HTTP proxies bind (`ServeControllerClient.http_config`): the ingress
+  asks for API keys when it binds beyond loopback; no public API reports `http_options`.
 - A request router's deployment name (`RequestRouter._deployment_id`): the affinity
   router publishes each deployment's live replicas, including "none left", when no
   replica is there to name the deployment.
@@ -29,11 +32,12 @@ def kv_get(key: bytes | str, namespace: str) -> bytes | None:
     return internal_kv._internal_kv_get(key, namespace=namespace)
 
 
-def kv_put(key: str, value: bytes, namespace: str, *, overwrite: bool = True) -> None:
-    """`overwrite=False`: put only if absent (the first of concurrent writers wins)."""
+def kv_put(key: str, value: bytes, namespace: str, *, overwrite: bool = True) -> bool:
+    """`overwrite=False`: put only if absent (the first of concurrent writers wins).
+    Returns whether the key held a value already."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
+    return bool(internal_kv._internal_kv_put(key, value, overwrite=overwrite, namespace=namespace))
 
 
 def kv_delete(key: str, namespace: str, *, by_prefix: bool = False) -> None:
@@ -47,6 +51,16 @@ def dashboard_auth_headers() -> dict[str, str]:
     from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
     return dict(get_auth_headers_if_auth_enabled({}))
+
+
+def serve_http_host() -> str | None:
+    """The host Serve's HTTP proxies bind (`http_options.host`), as this cluster's Serve
+    controller holds it; None: Serve runs no HTTP proxy."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    assert client is not None  # it raises when no controller runs
+    return client.http_config.host
 
 
 def router_deployment_name(router: Any) -> str:

@@ -20,7 +20,12 @@ def ask(
     thread: str | None = typer.Option(None, "--thread", "-t", help="Continue a conversation (the thread id printed after an answer)"),
     config_path: Path = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="Serve config YAML (agents.llm, prometheus_url, audit_db, chat_db)"),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The cluster's HTTP address (its /pdd/state and /pdd/requests)"),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="PDD_API_KEY", help="Bearer key for --url, when the API requires one"),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="PDD_API_KEY",
+        help="Operator key for --url, when the API requires one (default: the key the app generated, if on this machine)",
+    ),
 ) -> None:
     """Ask the cluster about its state in plain words; the answer lists the figures it used.
 
@@ -44,8 +49,9 @@ async def _converse(config, app_name: str, llm, question: str, thread: str | Non
     from agents.chatops.agent import build_agent, new_thread_id, sqlite_checkpointer
     from agents.chatops.sources import HttpSource
     from agents.whatif import load_what_if
+    from app.api.auth import local_key
 
-    source = HttpSource(url, api_key)
+    source = HttpSource(url, api_key or local_key())
     saver = await sqlite_checkpointer(config.agents.chat_db) if llm is not None else None
     thread_id = thread or new_thread_id()
     try:

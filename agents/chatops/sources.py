@@ -52,7 +52,7 @@ class HttpSource:
         except httpx.HTTPError as err:
             raise SourceError(f"GET {self.base_url}{path}: {err or type(err).__name__}") from err
         if resp.status_code in (401, 403):
-            raise SourceError(f"GET {self.base_url}{path}: {resp.status_code} (pass the API key: --api-key or PDD_API_KEY)")
+            raise SourceError(f"GET {self.base_url}{path}: {resp.status_code} (pass an operator key: --api-key or PDD_API_KEY)")
         return resp
 
     @staticmethod

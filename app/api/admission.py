@@ -1,34 +1,12 @@
-"""Who may call (API keys) and how much at once (admission per key and in total, 429 beyond)."""
+"""How much one API key and the whole replica may have in flight (429 beyond); who may call is app/api/auth.py."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from app.api.openai_requests import APIError
-
-
-class ApiKeys:
-    """Bearer keys from the config plus PDD_API_KEYS (comma-separated); none: open."""
-
-    def __init__(self, configured: list[str]):
-        env = [k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(",") if k.strip()]
-        self.keys = frozenset(configured) | frozenset(env)
-
-    def check(self, request: Request) -> str:
-        """The caller's key ("" when auth is off); raises 401 otherwise."""
-        if not self.keys:
-            return ""
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if key.strip() not in self.keys:
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
-        return key.strip()
 
 
 class Admission:

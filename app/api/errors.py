@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or invalid API key"},
+    403: {"model": ErrorResponse, "description": "The API key's scope does not cover this endpoint (an operator key is needed)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
     429: {"model": ErrorResponse, "description": "Too many concurrent requests"},
     500: {"model": ErrorResponse, "description": "Internal error (a bug)"},

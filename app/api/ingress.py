@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api.admission import Admission, ApiKeys, SeatedStream, Seats
+from app.api.admission import Admission, SeatedStream, Seats
+from app.api.auth import Caller, api_keys
 from app.api.errors import ERROR_RESPONSES, install_error_handlers
 from app.api.extensions import ChatOps, ChatOpsRequest, chat_ops
 from app.api.openai_requests import APIError, ChatCompletionRequest, CompletionRequest
@@ -47,6 +48,7 @@ from app.conductor.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine.devmodel import resolve_model_source
 from app.engine.token_channel import SamplingOptions, TokenLogprob
+from app.ray_private import serve_http_host
 from app.telemetry.replica_logging import log_to_stderr
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class ConductorIngress:
             context.replica_id.unique_id,
             IndexStore(context.app_name),
         )
-        self.keys = ApiKeys(self.config.server.api_keys)
+        self.keys = api_keys(self.config.server, serve_http_host())
         self.chat_ops: ChatOps | None = None
         self.admission = Admission(self.config.server.max_concurrent_per_key, self.config.server.max_queued_requests)
         self.created = now()
@@ -231,7 +233,7 @@ class ConductorIngress:
 
     async def _respond(
         self,
-        key: str,
+        caller: Caller,
         body: ChatCompletionRequest | CompletionRequest,
         request_id: str,
         gens: list[GenerationRequest],
@@ -239,7 +241,9 @@ class ConductorIngress:
         echoes: Sequence[Echo | None] | None = None,
     ):
         """`echoes`: per choice, the prompt a completion repeats before its text."""
-        seats = self.admission.seats(key, len(gens))
+        seats = self.admission.seats(caller.key, len(gens))
+        for gen in gens:  # its journey names the caller's key (by a hash)
+            gen.key_fingerprint = caller.fingerprint
         want_ids = bool(body.return_token_ids)
         echoes = echoes or [None] * len(gens)
         if body.stream:
@@ -313,12 +317,12 @@ class ConductorIngress:
 
     @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> ModelList:
-        self.keys.check(request)
+        self.keys.caller(request)
         return ModelList(data=[self._model_card()])
 
     @api.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def model(self, model: str, request: Request) -> ModelCard:
-        self.keys.check(request)
+        self.keys.caller(request)
         self._check_model(model)
         return self._model_card()
 
@@ -327,14 +331,14 @@ class ConductorIngress:
 
     @api.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        key = self.keys.check(request)
+        caller = self.keys.caller(request)
         self._check_model(body.model)
         request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl")
-        return await self._respond(key, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text))
+        return await self._respond(caller, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(self, body: CompletionRequest, request: Request):
-        key = self.keys.check(request)
+        caller = self.keys.caller(request)
         self._check_model(body.model)
         prompts = self._completion_prompts(body)
         request_id, gens = self._generation_requests(body, prompts, body.requested_max_tokens(), "cmpl", body.requested_prompt_logprobs())
@@ -342,18 +346,19 @@ class ConductorIngress:
         if body.echo:
             texts = body.prompt_texts() or self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
             echoes = [Echo(text, ids, body.max_tokens != 0) for text, ids in zip(texts, prompts) for _ in range(body.n or 1)]
-        return await self._respond(key, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text), echoes)
+        return await self._respond(caller, body, request_id, gens, CompletionRenderer(request_id, body.model, self._token_text), echoes)
 
     @api.get("/pdd/requests", responses=ERROR_RESPONSES)
     async def recent_journeys(self, request: Request, limit: Annotated[int, Query(ge=1, le=JOURNAL_CAPACITY)] = 100) -> dict[str, Any]:
-        self.keys.check(request)
-        return {"requests": [j.to_dict() for j in self.conductor.journal.recent(limit)]}
+        """The newest journeys: every user's for an operator key, its own requests' for an inference key."""
+        owner = self.keys.caller(request).listed_owner
+        return {"requests": [j.to_dict() for j in self.conductor.journal.recent(limit, owner)]}
 
     @api.get("/pdd/requests/{request_id}", responses=ERROR_RESPONSES)
     async def journey(self, request_id: str, request: Request) -> dict[str, Any]:
-        self.keys.check(request)
+        caller = self.keys.caller(request)
         j = self.conductor.journal.get(request_id)
-        if j is None:
+        if j is None or not caller.may_read(j.key_fingerprint):  # another key's: as if absent
             raise APIError(
                 404,
                 f"No request '{request_id}' in the journal (it keeps the last {self.conductor.journal.capacity})",
@@ -364,14 +369,14 @@ class ConductorIngress:
 
     @api.get("/pdd/state", responses=ERROR_RESPONSES)
     async def state(self, request: Request) -> dict[str, Any]:
-        """Roles and replicas per node group, live knobs, links, recent SLO figures."""
-        self.keys.check(request)
+        """Roles and replicas per node group, live knobs, links, recent SLO figures (operator keys)."""
+        self.keys.operator(request)
         return await self.conductor.state()
 
     @api.post("/pdd/chat", responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat(self, body: ChatOpsRequest, request: Request) -> StreamingResponse:
         """Chat-ops (agents/chatops): an answer about the cluster as SSE, then the figures it used; read-only."""
-        key = self.keys.check(request)
+        key = self.keys.operator(request).key
         if self.chat_ops is None:  # built on first use: most replicas never chat
             self.chat_ops = chat_ops(self.config, self.conductor, serve.get_replica_context().app_name)
         return await self.chat_ops.respond(body, key)

@@ -105,7 +105,13 @@ class Conductor:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
         self.placement.keeper.keep_saved(lambda: self.placement.index)
         journey = self.journal.add(
-            Journey(request_id=req.request_id, mode=req.mode.value, prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
+            Journey(
+                request_id=req.request_id,
+                mode=req.mode.value,
+                prompt_tokens=len(req.prompt_token_ids),
+                max_tokens=req.sampling.max_tokens,
+                key_fingerprint=req.key_fingerprint,
+            )
         )
         assembler = TextAssembler(self.tokenizer, req.prompt_token_ids, req.stop)
         clock = TokenClock()

@@ -52,6 +52,8 @@ class GenerationRequest:
     sampling: SamplingOptions
     stop: list[str]
     mode: Mode
+    key_fingerprint: str = ""
+    """Of the API key that made the request (its journey records it)."""
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Journey:
     mode: str
     prompt_tokens: int
     max_tokens: int
+    key_fingerprint: str = ""
+    """A hash of the API key that made the request (app/api/auth.py; "" without auth): who may read it."""
     started_at: float = field(default_factory=time.time)
     pipeline: str | None = None
     """Which path the request took: colocated, P-D, P-MD, P-RLD-MD, P-P-MD (no RLD alive), P-RLD (singular)."""
@@ -144,8 +146,12 @@ class Journal:
     def get(self, request_id: str) -> Journey | None:
         return self._items.get(request_id)
 
-    def recent(self, n: int = 100) -> list[Journey]:
-        return list(self._items.values())[-n:]
+    def recent(self, n: int = 100, key_fingerprint: str | None = None) -> list[Journey]:
+        """The newest `n`, oldest first; of one key's requests only, given its fingerprint."""
+        if key_fingerprint is None:
+            return list(self._items.values())[-n:]
+        mine = [j for j in reversed(self._items.values()) if j.key_fingerprint == key_fingerprint]
+        return mine[:n][::-1]
 
     def __len__(self) -> int:
         return len(self._items)

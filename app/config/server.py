@@ -11,7 +11,15 @@ from app.config.base import StrictModel
 
 class ServerConfig(StrictModel):
     api_keys: list[str] = []
-    """Bearer keys accepted by the API; empty and no PDD_API_KEYS env: no auth."""
+    """Inference keys (plus PDD_API_KEYS, comma-separated): /v1/*, and the journeys of their own
+    requests. With no key of either scope, the API is open while Serve binds loopback only;
+    bound beyond it, the cluster generates an operator key (app/api/auth.py, README: Security)."""
+    operator_api_keys: list[str] = []
+    """Operator keys (plus PDD_OPERATOR_API_KEYS): everything inference keys call, and every
+    user's journeys (GET /pdd/requests), /pdd/state, /pdd/chat."""
+    allow_anonymous: bool = False
+    """With no key configured and Serve binding beyond loopback: serve everyone without a key
+    (a warning at start) instead of generating one."""
     max_prompt_tokens: Annotated[int, Field(gt=0)] | None = None
     """Longest prompt accepted (default: max_model_len - 1)."""
     max_output_tokens: Annotated[int, Field(gt=0)] = 4096

@@ -108,14 +108,21 @@ def kuberay(
     name: str = typer.Option("pdd-serve", help="RayService name"),
     prometheus_url: str = typer.Option("http://prometheus:9090", help="Prometheus service the agents query"),
     output: Path = typer.Option(Path("serve_configs/kuberay/pdd-rayservice.yaml"), "-o", help="Where to write"),
+    secrets_out: Path | None = typer.Option(
+        None, "--secrets-out", help="Where to write the Secrets its pods read (API keys, cluster TLS); default ~/.config/pdd-serve/kuberay/NAME-secrets.yaml"
+    ),
 ) -> None:
-    """Write a KubeRay RayService (+ agents Deployment) for a serve config."""
-    from app.ops.kuberay import render
+    """Write a KubeRay RayService (+ agents Deployment) for a serve config, and the Secrets it reads (mode 0600; kept when there)."""
+    from app.ops.kuberay import render, write_secrets
 
     _load(config_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(config_path, image, name, prometheus_url))
+    secrets_out = secrets_out or Path.home() / ".config" / "pdd-serve" / "kuberay" / f"{name}-secrets.yaml"
+    wrote = write_secrets(config_path, secrets_out, name)
     console.print(str(output))
+    console.print(f"{secrets_out} ({'new API keys and cluster CA' if wrote else 'kept: delete it to make new keys and a new CA'})")
+    console.print(f"  kubectl apply -f {secrets_out} && kubectl apply -f {output}")
 
 
 @cluster_cli.command("up")
@@ -224,6 +231,7 @@ def run(
             f'-d \'{{"model": "{config.model.served_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
         )
         console.print(f"  `pdd status` shows the cluster at a glance; {url}/ready which roles have a live engine")
+        _say_where_the_key_is(config, http.get("host", "127.0.0.1"))
         prometheus = _start_prometheus(config, cluster.recorded_temp_dir(address))
         agents = _start_agents(config_path, config) if prometheus is not None else None
         try:
@@ -242,14 +250,23 @@ def run(
 
 
 def _api_headers(config) -> dict[str, str]:
-    """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY (`pdd status`'s), else one the app serves with."""
+    """A key the API accepts, for `pdd run`'s own test completion: PDD_API_KEY (`pdd status`'s), else one
+    the app serves with, else the one it generated when it binds beyond loopback (app/api/auth.py)."""
     import os
 
-    from app.ops.status import api_headers
+    from app.api.auth import local_key
 
-    served = [*config.server.api_keys, *(k.strip() for k in os.environ.get("PDD_API_KEYS", "").split(","))]
-    key = next((k for k in served if k), None)
-    return api_headers() or ({"authorization": f"Bearer {key}"} if key else {})
+    served = [*config.server.api_keys, *config.server.operator_api_keys, *os.environ.get("PDD_API_KEYS", "").split(",")]
+    key = os.environ.get("PDD_API_KEY") or next((k.strip() for k in served if k.strip()), None) or local_key()
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def _say_where_the_key_is(config, host: str) -> None:
+    """When the app generated its API key (it binds beyond loopback and none is configured): where it is."""
+    from app.api.auth import ApiKeys, is_loopback, key_file
+
+    if ApiKeys.configured(config.server).open and not is_loopback(host) and not config.server.allow_anonymous:
+        console.print(f"  the API needs a key (none configured; it generated one): export PDD_API_KEY=$(cat {key_file()})")
 
 
 def failure_summary(message: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 from vllm.v1.metrics.stats import RequestStateStats
 
-from app.conductor.journal import Journey, slo_summary
+from app.conductor.journal import Journal, Journey, slo_summary
 from app.config import LiveKnobs, SLOConfig
 from app.engine.replica import _engine_core_times
 from app.engine.token_channel import EngineDelta
@@ -42,6 +42,15 @@ def test_the_first_engine_of_a_role_keeps_its_times_unless_it_was_retried():
     assert journey.engine_ttft_ms["prefill"] == 25.0
     assert "prefill" not in journey.engine_core_ttft_ms and "prefill" not in journey.engine_queued_ms
     assert journey.to_dict()["engine_core_ttft_ms"] == {"relay_decode": 31.0}
+
+
+def test_one_keys_recent_journeys_are_its_newest_n_not_its_share_of_everyones():
+    journal = Journal(capacity=10)
+    for i in range(6):
+        journal.add(Journey(f"r{i}", "pdd", 3, 4, key_fingerprint="mine" if i in (0, 2, 3) else "theirs"))
+    assert [j.request_id for j in journal.recent(2, "mine")] == ["r2", "r3"]
+    assert [j.request_id for j in journal.recent(2)] == ["r4", "r5"]
+    assert journal.recent(5, "nobody") == []
 
 
 def test_recent_slo_figures_are_kept_at_the_slos_own_percentile_and_pdd_status_judges_those():

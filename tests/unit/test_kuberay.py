@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 from typing import Any
 
 import pytest
@@ -10,7 +11,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from app.config.file import load_config
-from app.ops.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render
+from app.engine.cluster_tls import ClusterTLS, Credentials
+from app.ops.kuberay import GPUS_PER_NODE, ZONE_LABEL, manifest, render, secret_manifests, write_secrets
 from tests.conftest import ROOT
 
 GPU_CONFIG = ROOT / "serve_configs" / "gpu_h100_h200.yaml"
@@ -127,3 +129,65 @@ def test_ray_listens_on_the_pods_own_address():
     assert head["rayStartParams"]["dashboard-host"] == "$POD_IP"
     env = head["template"]["spec"]["containers"][0]["env"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+
+
+def _ray_pods(docs) -> list[dict[str, Any]]:
+    cluster = RayService.model_validate(docs[0]).spec.rayClusterConfig
+    return [g.template.spec for g in [cluster.headGroupSpec, *cluster.workerGroupSpecs]]
+
+
+def test_every_ray_pod_reads_the_keys_and_cluster_credentials_from_secrets(docs):
+    for pod in _ray_pods(docs):
+        (container,) = pod["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PDD_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "pdd-serve-api-keys", "key": "inference"}
+        assert env["PDD_OPERATOR_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "pdd-serve-api-keys", "key": "operator"}
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "cluster-tls")
+        assert env["PDD_CLUSTER_TLS_FILE"]["value"] == f"{mount['mountPath']}/credentials.json" and mount["readOnly"]
+        assert {"name": "cluster-tls", "secret": {"secretName": "pdd-serve-cluster-tls", "defaultMode": 0o400}} in pod["volumes"]
+
+
+def _inline_keys_config(tmp_path):
+    doc = yaml.safe_load(GPU_CONFIG.read_text())
+    doc["applications"][0]["args"]["server"] = {"api_keys": ["inline-inference-key"], "operator_api_keys": ["inline-operator-key"], "max_output_tokens": 512}
+    path = tmp_path / "with-keys.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_keys_written_inline_move_into_the_secret_out_of_the_manifest(tmp_path):
+    config = _inline_keys_config(tmp_path)
+    rendered = render(config, IMAGE)
+    assert "inline-inference-key" not in rendered and "inline-operator-key" not in rendered
+    embedded = yaml.safe_load(next(yaml.safe_load_all(rendered))["spec"]["serveConfigV2"])
+    assert embedded["applications"][0]["args"]["server"] == {"max_output_tokens": 512}  # the rest stays
+    keys = secret_manifests(config)[0]
+    assert keys["kind"] == "Secret" and keys["stringData"] == {"inference": "inline-inference-key", "operator": "inline-operator-key"}
+
+
+def test_secrets_go_to_a_private_file_with_fresh_keys_and_a_ca_and_are_kept_once_written(tmp_path):
+    path = tmp_path / "private" / "pdd-serve-secrets.yaml"
+    assert write_secrets(GPU_CONFIG, path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    keys, tls = list(yaml.safe_load_all(path.read_text()))
+    assert [keys["metadata"]["name"], tls["metadata"]["name"]] == ["pdd-serve-api-keys", "pdd-serve-cluster-tls"]
+    assert keys["stringData"]["inference"] != keys["stringData"]["operator"] and all(len(k) > 40 for k in keys["stringData"].values())
+    credentials = Credentials.from_json(tls["stringData"]["credentials.json"].encode())
+    ClusterTLS(credentials)  # loads as the replicas load it
+    for value in [*keys["stringData"].values(), credentials.key]:
+        assert value not in COMMITTED.read_text()
+    before = path.read_text()
+    assert not write_secrets(GPU_CONFIG, path) and path.read_text() == before  # a new CA would split old pods from new
+
+
+def test_pdd_kuberay_writes_both_files_and_says_how_to_apply_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from app.ops.cli import main
+
+    out, secrets_out = tmp_path / "rayservice.yaml", tmp_path / "secrets.yaml"
+    result = CliRunner().invoke(main, ["kuberay", str(GPU_CONFIG), "-o", str(out), "--secrets-out", str(secrets_out)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == render(GPU_CONFIG, IMAGE) and stat.S_IMODE(secrets_out.stat().st_mode) == 0o600
+    assert f"kubectl apply -f {secrets_out} && kubectl apply -f {out}" in result.output
+    assert "kept" in CliRunner().invoke(main, ["kuberay", str(GPU_CONFIG), "-o", str(out), "--secrets-out", str(secrets_out)], env={"COLUMNS": "300"}).output
