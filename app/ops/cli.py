@@ -61,9 +61,18 @@ def devmodel() -> None:
 @main.command()
 def validate(config_path: Path = typer.Argument(DEFAULT_CONFIG, help="Serve config YAML")) -> None:
     """Check a config; errors name the bad field."""
+    from app.ops.exposure import exposure, render
+
     config = _load(config_path)
     roles = ", ".join(f"{r.value}x{c.replicas}" for r, c in config.roles.present().items())
     console.print(f"[green]ok[/green] mode={config.mode.value} roles: {roles}")
+    console.print(render(exposure(config, _serve_doc(config_path))))
+
+
+def _serve_doc(config_path: Path) -> dict:
+    """The config file as a document (its `http_options`: where Serve binds); {} for a bare PDD config."""
+    doc = yaml.safe_load(config_path.read_text())
+    return doc if isinstance(doc, dict) and "applications" in doc else {}
 
 
 @main.command()
@@ -75,11 +84,12 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="One JSON object (state, Prometheus' figures, note) for scripts"),
 ) -> None:
     """The cluster at a glance: roles, links, knobs, SLO figures."""
+    from app.ops.exposure import exposure
     from app.ops.status import show
 
     config = _load(config_path)
     try:
-        show(url, prometheus or config.agents.prometheus_url, config, console, app_name, as_json)
+        show(url, prometheus or config.agents.prometheus_url, config, console, app_name, as_json, exposure(config, _serve_doc(config_path)))
     except (httpx.HTTPError, RuntimeError) as err:
         console.print(f"[red]cannot read {url}/pdd/state: {err}[/red] (is the app running? `make run`)")
         raise typer.Exit(1) from None

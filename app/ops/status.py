@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -17,6 +18,8 @@ from rich.panel import Panel
 from rich.table import Table
 
 from app.config import PDDConfig
+from app.ops.exposure import Exposure, Row, live_engines, probed_api
+from app.ops.exposure import render as render_exposure
 from app.telemetry.observability import APP_NAME, query_set
 
 
@@ -31,6 +34,14 @@ def fetch_state(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     if resp.status_code != 200:
         raise RuntimeError(f"GET {url}/pdd/state: HTTP {resp.status_code}: {resp.text[:200]}")
     return resp.json()
+
+
+def status_without_key(url: str, timeout_s: float = 5.0) -> int | None:
+    """The HTTP status GET /v1/models answers a caller with no key (None: no answer)."""
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=timeout_s).status_code
+    except httpx.HTTPError:
+        return None
 
 
 def fetch_snapshot(prometheus_url: str, config: PDDConfig, app_name: str = APP_NAME):
@@ -157,19 +168,30 @@ def _sec_ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def show(url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME, as_json: bool = False) -> None:
+def show(
+    url: str, prometheus_url: str, config: PDDConfig, console: Console, app_name: str = APP_NAME, as_json: bool = False, exposure: Exposure | None = None
+) -> None:
     """`pdd status`: the table, or with `as_json` the state, Prometheus' figures (null when
-    not shown) and the note saying why, as one JSON object for scripts."""
+    not shown) and the note saying why, as one JSON object for scripts. With `exposure` (the
+    config's listeners), the engines' live addresses and the API's answer to a keyless call too."""
     state = fetch_state(url)
+    if exposure is not None:
+        exposure.rows += [
+            Row("public API, as reached from here", url, probed_api(status_without_key(url))),
+            Row("engines live", "", ""),
+            *live_engines(state, config),
+        ]
     try:
         snapshot, note = figures_to_show(state, fetch_snapshot(prometheus_url, config, app_name))
     except Exception as err:  # noqa: BLE001 - the state alone is still worth showing
         snapshot, note = None, f"Prometheus unavailable ({str(err)[:120]}); figures below are the conductor's last {state['slo']['recent']['window_s']:g} s"
     if as_json:
         figures = None if snapshot is None else snapshot.model_dump(mode="json")
-        console.print_json(data={"state": state, "prometheus": figures, "note": note})
+        console.print_json(data={"state": state, "prometheus": figures, "note": note, "exposure": None if exposure is None else asdict(exposure)})
     else:
         console.print(render(state, snapshot, note))
+        if exposure is not None:
+            console.print(render_exposure(exposure))
 
 
 def figures_to_show(state: dict[str, Any], snapshot: Any) -> tuple[Any | None, str]:
