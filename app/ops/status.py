@@ -7,7 +7,6 @@ figures the conductor keeps itself are shown instead.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -17,6 +16,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 
+from app.api.auth import local_key
 from app.config import PDDConfig
 from app.ops.exposure import Exposure, Row, live_engines, probed_api
 from app.ops.exposure import render as render_exposure
@@ -24,8 +24,8 @@ from app.telemetry.observability import APP_NAME, query_set
 
 
 def api_headers() -> dict[str, str]:
-    """The bearer header for our API when PDD_API_KEY is set."""
-    key = os.environ.get("PDD_API_KEY")
+    """The bearer header for our API: PDD_API_KEY, else the key the app generated on this machine."""
+    key = local_key()
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
