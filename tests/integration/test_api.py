@@ -15,6 +15,7 @@ from tests.conftest import local_args
 from tests.integration.conftest import deploy_app
 
 KEY = "sk-test-key"
+OPERATOR = "sk-test-operator"
 MODEL = "pdd-dev"
 
 
@@ -23,7 +24,7 @@ def app(serve_instance, tmp_path_factory):
     args = local_args()
     args["mode"] = "colocated"
     del args["roles"]["prefill"], args["roles"]["relay_decode"]
-    args["server"] = {"api_keys": [KEY], "max_output_tokens": 512, "max_concurrent_per_key": 64}
+    args["server"] = {"api_keys": [KEY], "operator_api_keys": [OPERATOR], "max_output_tokens": 512, "max_concurrent_per_key": 64}
     args["model"]["max_model_len"] = 2048
     # chat-ops answers by rules here (no LLM): whatever the fuzzer files stays in this test's folder
     state = tmp_path_factory.mktemp("api-agents")
@@ -140,6 +141,19 @@ def test_journey_of_a_request(app, client):
     assert j["replicas"]["main_decode"] and j["ttft_ms"] > 0
     missing = httpx.get(f"{app.base_url}/pdd/requests/nope", headers={"authorization": f"Bearer {KEY}"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+
+
+def test_an_inference_key_reads_its_own_journeys_and_nothing_operational(app, client):
+    mine = chat(client, max_tokens=3)
+    theirs = chat(openai.OpenAI(base_url=app.v1, api_key=OPERATOR, max_retries=0), max_tokens=3)
+    as_key, as_operator = ({"authorization": f"Bearer {k}"} for k in (KEY, OPERATOR))
+    assert httpx.get(f"{app.base_url}/pdd/requests/{mine.id}", headers=as_key).status_code == 200
+    _assert_error(httpx.get(f"{app.base_url}/pdd/requests/{theirs.id}", headers=as_key), 404, param="request_id")
+    listed = {j["request_id"] for j in httpx.get(f"{app.base_url}/pdd/requests", params={"limit": 100}, headers=as_key).json()["requests"]}
+    assert mine.id in listed and theirs.id not in listed
+    _assert_error(httpx.get(f"{app.base_url}/pdd/state", headers=as_key), 403, code="insufficient_scope")
+    assert all(httpx.get(f"{app.base_url}/pdd/requests/{r.id}", headers=as_operator).status_code == 200 for r in (mine, theirs))
+    assert httpx.get(f"{app.base_url}/pdd/state", headers=as_operator).status_code == 200
 
 
 ABANDONED_MAX_TOKENS = 500  # no other test asks for this many: it marks the abandoned requests' journeys
@@ -522,12 +536,12 @@ def test_generated_requests_never_get_a_server_error(app):
                         case.body[field] = min(case.body[field], 4)  # short generations; bad values stay bad
             if operation.path == "/pdd/chat":  # noqa: B023 - check() runs within its own iteration
                 # an SSE stream, which the schema cannot describe: answered by rules (no LLM here), or refused
-                response = case.call(headers={"authorization": f"Bearer {KEY}"}, timeout=120)
+                response = case.call(headers={"authorization": f"Bearer {OPERATOR}"}, timeout=120)
                 assert response.status_code in (200, 400, 401), response.text
                 if response.status_code == 200:
                     assert "text/event-stream" in str(response.headers["content-type"])
                     assert response.text.endswith("data: [DONE]\n\n") and '"type": "figures"' in response.text
                 return
-            case.call_and_validate(headers={"authorization": f"Bearer {KEY}"}, timeout=120)
+            case.call_and_validate(headers={"authorization": f"Bearer {OPERATOR}"}, timeout=120)
 
         check()

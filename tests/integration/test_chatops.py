@@ -186,7 +186,7 @@ def args(tmp_path_factory, llm_server, prometheus) -> dict[str, Any]:
     a["mode"] = "colocated"
     del a["roles"]["prefill"], a["roles"]["relay_decode"]
     a["model"]["max_model_len"] = 2048
-    a["server"] = {"api_keys": [KEY]}
+    a["server"] = {"operator_api_keys": [KEY]}  # chat-ops is an operator's tool
     a["agents"] = {
         "llm": {"base_url": llm_server.url, "model": "fake-ops", "api_key_env": "PDD_TEST_CHATOPS_LLM_KEY"},
         "prometheus_url": prometheus.url,
@@ -299,7 +299,7 @@ def test_pdd_ask_reads_the_cluster_over_http(app, args, tmp_path):
     assert "main_decode runs 1 replica(s) in mode colocated." in out.output
     assert "[state] GET /pdd/state -> mode colocated; main_decode 1 live of 1 configured" in out.output
     denied = CliRunner().invoke(main, ["ask", "what is the cluster state?", "--config", str(cfg), "--url", app.base_url, "--api-key", "wrong"])
-    assert "pass the API key" in " ".join(denied.output.split())
+    assert "401 (pass an operator key" in " ".join(denied.output.split())
 
 
 def test_pdd_ask_without_an_llm_quotes_an_injected_label_and_files_nothing(app, args, tmp_path):
