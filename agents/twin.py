@@ -121,6 +121,7 @@ _FINISHER = {
     Pipeline.p_rld_md: RoleName.main_decode,
     Pipeline.p_p_md: RoleName.main_decode,
     Pipeline.p_d_naive: RoleName.main_decode,
+    Pipeline.p_d_cross: RoleName.main_decode,
     Pipeline.colocated: RoleName.main_decode,
     Pipeline.p_d: RoleName.relay_decode,
 }

@@ -33,6 +33,8 @@ class Pipeline(str, Enum):
     """Classic PD within one datacenter (pd_intra_dc)."""
     p_d_naive = "P-D-naive"
     """Classic PD across the WAN, full KV, first token from the decoder (pd_cross_dc_naive)."""
+    p_d_cross = "P-D-cross"
+    """PD across the WAN, only the blocks the decoder lacks, first token from the decoder (pd_cross_dc)."""
     p_md = "P-MD"
     p_rld_md = "P-RLD-MD"
     p_p_md = "P-P-MD"

@@ -25,15 +25,20 @@ async def colocated(ops: EngineOps, req: GenerationRequest, journey: Journey, ro
 
 
 async def disaggregated(
-    ops: EngineOps, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool
+    ops: EngineOps, req: GenerationRequest, journey: Journey, decode_role: RoleName, *, first_token_from_prefill: bool, decoder_cache: bool = True
 ) -> AsyncGenerator[Tokens, None]:
     """Classic disaggregation: P prefills, one decoder pulls the KV and decodes the rest.
 
-    pd_cross_dc_naive ships the whole prompt KV across the WAN (no decoder-side prefix
-    cache shrinks it) and shows the first token only once the decoder produced its own,
-    as vLLM's disaggregated-prefill proxy does.
+    Across datacenters (pd_cross_dc, pd_cross_dc_naive) the client sees the first token
+    only once the decoder produced its own, as vLLM's disaggregated-prefill proxy does.
+    Without `decoder_cache` (pd_cross_dc_naive) the whole prompt KV crosses the WAN: no
+    decoder-side prefix cache shrinks it. With it, the decoder pulls only what its cache
+    lacks, and routing keeps a conversation on the decoder that holds it.
     """
-    journey.pipeline = (Pipeline.p_d if first_token_from_prefill else Pipeline.p_d_naive).value
+    if first_token_from_prefill:
+        journey.pipeline = Pipeline.p_d.value
+    else:
+        journey.pipeline = (Pipeline.p_d_cross if decoder_cache else Pipeline.p_d_naive).value
     keys = ops.placement.keys(req.prompt_token_ids)
     first, _ = await ops.prefill(req, journey, consumers=1, keys=keys)
     last = await ops.ended_on_prefill(req, first, consumers=1)
@@ -43,10 +48,10 @@ async def disaggregated(
     if first_token_from_prefill:
         yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
     replica, _ = await ops.placement.route(decode_role, keys, journey)
-    naive = not first_token_from_prefill
-    if naive:  # salted: the decoder's cache will not hold this prompt
+    if not decoder_cache:  # salted: the decoder's cache will not hold this prompt
         ops.placement.unroute(replica, keys)
-    decode = ops.continue_on(decode_role, replica, req, journey, first, lease_of(first), keys, cache_salt=req.request_id if naive else None, hold_first=naive)
+    salt = None if decoder_cache else req.request_id
+    decode = ops.continue_on(decode_role, replica, req, journey, first, lease_of(first), keys, cache_salt=salt, hold_first=not first_token_from_prefill)
     async with aclosing(decode):
         async for batch in decode:
             yield batch

@@ -183,8 +183,8 @@ class Conductor:
             stream = colocated(self.ops, req, journey, RoleName.main_decode)
         elif req.mode is Mode.pd_intra_dc:
             stream = disaggregated(self.ops, req, journey, RoleName.relay_decode, first_token_from_prefill=True)
-        elif req.mode is Mode.pd_cross_dc_naive:
-            stream = disaggregated(self.ops, req, journey, RoleName.main_decode, first_token_from_prefill=False)
+        elif req.mode in (Mode.pd_cross_dc_naive, Mode.pd_cross_dc):
+            stream = disaggregated(self.ops, req, journey, RoleName.main_decode, first_token_from_prefill=False, decoder_cache=req.mode is Mode.pd_cross_dc)
         else:
             stream = pdd_pipeline(self.ops, req, journey)
         try:

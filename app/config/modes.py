@@ -15,6 +15,10 @@ class Mode(str, Enum):
     pd_cross_dc_naive = "pd_cross_dc_naive"
     """Prefill in A; main_decode in B receives the full prompt KV over the WAN and
     produces the first token itself, as vLLM's disaggregated-prefill proxy does."""
+    pd_cross_dc = "pd_cross_dc"
+    """Cross-datacenter PD as vLLM's NIXL and Mooncake connectors ship it: prefill in A;
+    main_decode in B pulls only the blocks its own prefix cache lacks and produces the
+    first token; a conversation's turns stick to their decoder. No relay, no handoff."""
     pdd = "pdd"
     """Prefill / Relay-Decode / Main-Decode with hit-aware routing and handoff."""
 
@@ -30,5 +34,6 @@ MODE_ROLES: dict[Mode, tuple[RoleName, ...]] = {
     Mode.colocated: (RoleName.main_decode,),
     Mode.pd_intra_dc: (RoleName.prefill, RoleName.relay_decode),
     Mode.pd_cross_dc_naive: (RoleName.prefill, RoleName.main_decode),
+    Mode.pd_cross_dc: (RoleName.prefill, RoleName.main_decode),
     Mode.pdd: (RoleName.prefill, RoleName.relay_decode, RoleName.main_decode),
 }

@@ -49,7 +49,7 @@ class PDDConfig(StrictModel):
             p, d = self.datacenter_of(RoleName.prefill), self.datacenter_of(RoleName.relay_decode)
             if p != d:
                 raise ValueError(f"roles.relay_decode: must share prefill's datacenter ('{p}'), not '{d}'")
-        if self.mode in (Mode.pd_cross_dc_naive, Mode.pdd) and self.roles.main_decode is not None:
+        if self.mode in (Mode.pd_cross_dc_naive, Mode.pd_cross_dc, Mode.pdd) and self.roles.main_decode is not None:
             p, d = self.datacenter_of(RoleName.prefill), self.datacenter_of(RoleName.main_decode)
             if p == d:
                 raise ValueError(f"roles.main_decode: mode '{self.mode.value}' needs it in another datacenter than prefill ('{p}')")

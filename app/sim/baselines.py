@@ -1,5 +1,5 @@
-"""The twin's baseline pipelines (app/conductor/baselines.py): colocated, classic PD and
-naive cross-datacenter PD. A part of `Twin` (app/sim/twin.py), which holds the state and
+"""The twin's baseline pipelines (app/conductor/baselines.py): colocated, classic PD, and
+cross-datacenter PD with and without the decoder's prefix cache (pd_cross_dc, naive). A part of `Twin` (app/sim/twin.py), which holds the state and
 the steps every mode shares; the PDD pipelines are the part below it (app/sim/pdd.py).
 """
 
@@ -12,7 +12,7 @@ import cython  # Cython's pure-Python shim: the type hints below only matter to 
 from app.config import RoleName
 from app.policy import Pipeline, blocks_missing
 from app.sim.jobs import Job
-from app.sim.pdd import P_D_NAIVE, PDDPipelines
+from app.sim.pdd import P_D_CROSS, P_D_NAIVE, PDDPipelines
 from app.sim.work import PrefillJob
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
         def _colocated_first(self, pj: PrefillJob) -> None: ...
         def _pd_pulled(self, job: Job) -> None: ...
+        def _cross_dc_first(self, pj: PrefillJob, decoder_cache: bool) -> None: ...
         def _naive_pulled(self, job: Job) -> None: ...
         def _naive_second(self, pj: PrefillJob) -> None: ...
 
@@ -82,11 +83,21 @@ class BaselinePipelines(PDDPipelines):
         assert job.d is not None  # the decoder (_pd_first)
         self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, 0.0, pulled=True)
 
-    @cython.locals(pj=PrefillJob, job=Job)
+    @cython.locals(pj=PrefillJob)
     def _naive_first(self: BaselineHost, pj: PrefillJob) -> None:
+        self._cross_dc_first(pj, False)
+
+    @cython.locals(pj=PrefillJob)
+    def _cross_first(self: BaselineHost, pj: PrefillJob) -> None:
+        self._cross_dc_first(pj, True)
+
+    @cython.locals(pj=PrefillJob, job=Job, decoder_cache=cython.bint)
+    def _cross_dc_first(self: BaselineHost, pj: PrefillJob, decoder_cache: bool) -> None:
+        """P's first token, then main_decode pulls over the WAN: the blocks its prefix
+        cache lacks (pd_cross_dc), or all of them, its cache salted out (naive)."""
         job: Job = pj.owner
         req = job.req
-        job.pipe = P_D_NAIVE
+        job.pipe = P_D_CROSS if decoder_cache else P_D_NAIVE
         self._prefilled(job)
         assert job.p is not None and job.pl is not None  # P prefilled it
         if req.output_tokens == 1:
@@ -95,18 +106,19 @@ class BaselinePipelines(PDDPipelines):
             self._finish(job)
             return
         d, _ = self._route(RoleName.main_decode, job.keys)
-        self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
-        self._open_decoder(job, d, 0)  # the naive decoder skips its prefix cache
+        if not decoder_cache:
+            self.index.unroute(d.name, job.keys)  # salted: the decoder's cache will not hold this prompt
+        self._open_decoder(job, d, req.prefix_tokens if decoder_cache else 0)
+        assert job.dl is not None and self.wan is not None  # _open_decoder's lease; the link to the decoder
         job.pulls = 1
-        assert self.wan is not None  # pd_cross_dc_naive's link to the decoder
-        self._send(self.wan, d, job, blocks_missing(req.prompt_tokens, 0, self.block), self._naive_pulled)
+        self._send(self.wan, d, job, blocks_missing(req.prompt_tokens, job.dl.hit, self.block), self._naive_pulled)
 
     @cython.locals(job=Job)
     def _naive_pulled(self: BaselineHost, job: Job) -> None:
         self._pull_done(job)
         req = job.req
         # the decoder computes the first token's KV, producing token 2: both reach the client then
-        assert job.d is not None and job.dl is not None  # the decoder (_naive_first)
+        assert job.d is not None and job.dl is not None  # the decoder (_cross_dc_first)
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + req.output_tokens, job.dl, self._naive_second))
 
     @cython.locals(pj=PrefillJob, job=Job)
@@ -115,7 +127,7 @@ class BaselinePipelines(PDDPipelines):
         req = job.req
         t = self.loop.now + self.ow
         job.t_first = t
-        assert job.d is not None and job.dl is not None  # the decoder (_naive_first)
+        assert job.d is not None and job.dl is not None  # the decoder (_cross_dc_first)
         if req.output_tokens <= 2:
             job.t_last = t
             job.d.close(job.dl, req.prompt_tokens + req.output_tokens - 1, job.gen)

@@ -57,7 +57,7 @@ MIN_APP_STEPS = 20
 def serving_overhead_ms(journey: Mapping) -> float | None:
     """Of a journey's TTFT at the conductor (GET /pdd/requests/{id}), the time
     outside the engines the first token waited for: P (or the one engine,
-    colocated), and with P-D-naive the decoder too, its KV pull included.
+    colocated), and with P-D-naive and P-D-cross the decoder too, its KV pull included.
 
     Outside an engine is outside what the twin models of it, its queue and
     steps: the time in vLLM's engine core (`engine_core_ttft_ms`) where the
@@ -72,7 +72,7 @@ def serving_overhead_ms(journey: Mapping) -> float | None:
     if pipeline == Pipeline.colocated.value:
         engines = list(journey.get("engine_ttft_ms") or {})
         roles = engines if len(engines) == 1 else []
-    elif pipeline == Pipeline.p_d_naive.value:
+    elif pipeline in (Pipeline.p_d_naive.value, Pipeline.p_d_cross.value):
         roles = [RoleName.prefill.value, RoleName.main_decode.value]
     else:
         roles = [RoleName.prefill.value]

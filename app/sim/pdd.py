@@ -47,7 +47,7 @@ from app.sim.engine import Instance
 from app.sim.jobs import Job
 from app.sim.work import WAITING, PrefillJob, Seq
 
-P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive
+P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE, P_D_CROSS = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive, Pipeline.p_d_cross
 
 if TYPE_CHECKING:
     from typing import Protocol

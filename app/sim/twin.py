@@ -22,7 +22,7 @@ serving it would hold that prefix where routing sent its earlier turns, so it
 is placed there before the request is dispatched: routed by the same
 `PrefixIndex.choose`, stored in the replica's prefix cache and recorded in the
 index, on the roles whose caches later turns reuse (prefill's, and the
-decoder's: main decode's in PDD and colocated, the PD decoder's in
+decoder's: main decode's in PDD, colocated and pd_cross_dc, the PD decoder's in
 pd_intra_dc; naive cross-DC PD's decoder skips its cache). Without it every
 such conversation's context is recomputed and, in PDD, crosses the WAN at the
 start of the run: a cold start, whose transient a measured window must avoid.
@@ -47,6 +47,8 @@ Pipelines (docs/design.md; the baselines in app/sim/baselines.py):
 - pd_cross_dc_naive (P-D-naive): main_decode pulls the full prompt KV over
   the WAN (its own cache unused), computes the first token's KV and only then
   do tokens 1 and 2 reach the client.
+- pd_cross_dc (P-D-cross): the same, but main_decode is routed to the
+  conversation's decoder and pulls only the blocks its prefix cache lacks.
 - pdd: app/sim/pdd.py.
 """
 
@@ -67,7 +69,7 @@ from app.sim.events import Loop
 from app.sim.jobs import Job, Session
 from app.sim.network import Link, PullSlots
 from app.sim.outages import Outage, Outages
-from app.sim.pdd import P_D_NAIVE, P_P_MD, P_RLD_MD
+from app.sim.pdd import P_D_CROSS, P_D_NAIVE, P_P_MD, P_RLD_MD
 from app.sim.pending import PendingMDWork
 from app.sim.results import Results
 from app.sim.routing import KeyChain, KeyMaker, routing_index
@@ -81,6 +83,7 @@ WARM_ROLES = {
     Mode.colocated: (RoleName.main_decode,),
     Mode.pd_intra_dc: (RoleName.prefill, RoleName.relay_decode),
     Mode.pd_cross_dc_naive: (RoleName.prefill,),
+    Mode.pd_cross_dc: (RoleName.prefill, RoleName.main_decode),
     Mode.pdd: (RoleName.prefill, RoleName.main_decode),
 }
 """Roles whose prefix caches a conversation's later turns reuse, per mode (the warm start's)."""
@@ -212,6 +215,8 @@ class Twin(BaselinePipelines):
             self._colocated(job)
         elif mode is Mode.pd_intra_dc:
             self._start_prefill(job, self._pd_first)
+        elif mode is Mode.pd_cross_dc:
+            self._start_prefill(job, self._cross_first)
         else:
             self._start_prefill(job, self._naive_first)
 
@@ -358,8 +363,9 @@ class Twin(BaselinePipelines):
             job.wan += nbytes
             if job.done:
                 self.results.add_wan(job.row, nbytes)
-        # the naive decoder's replica is on the first token's way: the serving overhead counts it
-        self.pulls[to.name].pull(link, nbytes, done, job, 0.0 if job.pipe is P_D_NAIVE else self.decoder_overhead_s)
+        # a cross-DC PD decoder's replica is on the first token's way: the serving overhead counts it
+        on_first_token = job.pipe is P_D_NAIVE or job.pipe is P_D_CROSS
+        self.pulls[to.name].pull(link, nbytes, done, job, 0.0 if on_first_token else self.decoder_overhead_s)
 
     @cython.locals(job=Job)
     def _pull_done(self, job: Job) -> None:

@@ -17,6 +17,7 @@ from app.ops.cluster import orphans
 from app.ops.faults import Faults
 from tests.conftest import local_args, set_wan
 from tests.integration.conftest import completion, deploy_app
+from tests.integration.relaying import api
 
 BLOCK = 32
 BYTES_PER_BLOCK = BLOCK * 4096  # dev model: 2 layers x K,V x 4 heads x 64 dims x fp32
@@ -67,7 +68,7 @@ def wait_leases(app, expected: int, timeout_s: float) -> int:
         time.sleep(0.25)
 
 
-@pytest.mark.parametrize("mode", ["pd_intra_dc", "pd_cross_dc_naive"])
+@pytest.mark.parametrize("mode", ["pd_intra_dc", "pd_cross_dc_naive", "pd_cross_dc"])
 def test_pd_modes_return_the_colocated_tokens(app, mode):
     prompt = tokens(hash(mode) % 1000, 700)
     text, journey = completion(app, prompt, 48, mode=mode)
@@ -88,6 +89,28 @@ def test_naive_mode_ships_the_whole_prompt_every_turn(app):
     _, journey = completion(app, prompt, 8, mode="pd_cross_dc_naive")  # MD now holds it all
     assert journey["transfers"][0]["blocks"] == math.ceil(640 / BLOCK)
     assert journey["token_sources"] == [["main_decode", 8]]  # first token from the decoder side
+
+
+def test_cross_dc_pd_pulls_only_what_the_conversations_decoder_lacks_streamed_or_not(app):
+    """pd_cross_dc (vLLM's connectors as shipped): the second turn's decoder is the first's, and
+    only the new tail's blocks cross the WAN; the first token still comes from the decoder side."""
+    turn1 = tokens(13, 640)
+    _, j1 = completion(app, turn1, 8, mode="pd_cross_dc")
+    turn2 = turn1 + tokens(14, 300)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in api(app).completions.create(
+            model="pdd-dev", prompt=turn2, max_tokens=24, temperature=0, stream=True, extra_body={"pdd_mode": "pd_cross_dc"}
+        )
+        if chunk.choices
+    )
+    text, j2 = completion(app, turn2, 24, mode="pd_cross_dc")
+    assert streamed == text == completion(app, turn2, 24, mode="colocated")[0]
+    assert j2["pipeline"] == "P-D-cross" and j2["replicas"]["main_decode"] == j1["replicas"]["main_decode"]
+    assert j2["hit_tokens"]["main_decode"] == 640 // BLOCK * BLOCK
+    (transfer,) = j2["transfers"]
+    assert transfer["link"] == WAN and transfer["blocks"] == math.ceil(940 / BLOCK) - 640 // BLOCK
+    assert j2["token_sources"] == [["main_decode", 24]]
 
 
 def test_second_turn_moves_only_the_new_blocks(app):

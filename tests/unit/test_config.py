@@ -137,7 +137,7 @@ def test_link_lookup_is_symmetric(args):
 
 
 def test_modes_enumerated():
-    assert {m.value for m in Mode} == {"colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd"}
+    assert {m.value for m in Mode} == {"colocated", "pd_intra_dc", "pd_cross_dc_naive", "pd_cross_dc", "pdd"}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "serve_configs").glob("*.yaml")))

@@ -110,7 +110,7 @@ def test_models_by_role_come_before_models_by_node_group():
     assert (r.ttft_s, r.tpot_s) == (pytest.approx(0.003), pytest.approx(0.003))  # colocated serves on main decode: group b
 
 
-@pytest.mark.parametrize("mode", ["colocated", "pdd", "pd_intra_dc", "pd_cross_dc_naive"])
+@pytest.mark.parametrize("mode", ["colocated", "pdd", "pd_intra_dc", "pd_cross_dc_naive", "pd_cross_dc"])
 def test_the_entry_roles_serving_overhead_delays_every_token_once(mode):
     """The conductor, RPC and the engines' input and output processing: time outside the steps, paid once per request."""
     models = {"prefill": FittedPerf(5.0, 0.01, 0, 0), "relay_decode": FittedPerf(2.0, 0, 0.1, 0), "main_decode": FittedPerf(3.0, 0.01, 0.1, 0)}
@@ -343,13 +343,17 @@ def test_singular_filter_finishes_on_the_relay():
 
 def test_decode_side_cache_cuts_wan_bytes_on_follow_up_turns():
     turns = [Request(0.0, "s", 8000, 0, 100), Request(30.0, "s", 8300, 8100, 100)]
-    pdd = simulate(tiny_config("pdd"), turns).records()
+    pdd, cross = (simulate(tiny_config(mode), turns).records() for mode in ("pdd", "pd_cross_dc"))
     naive = simulate(tiny_config("pd_cross_dc_naive"), turns).records()
-    # MD holds turn 1's prompt and output: only the new tail's blocks cross
-    assert pdd[1].decode_hit_tokens == 8096
-    assert pdd[1].wan_bytes == math.ceil((8300 - 8096) / BLOCK) * BLOCK * KVB
+    # MD holds turn 1's prompt and output: only the new tail's blocks cross, in PDD and in vLLM's cross-DC PD alike
+    for run in (pdd, cross):
+        assert run[1].decode_hit_tokens == 8096
+        assert run[1].wan_bytes == math.ceil((8300 - 8096) / BLOCK) * BLOCK * KVB
+        assert run[1].prefill_hit_tokens == 8000  # P held the previous prompt only
     assert naive[1].wan_bytes == math.ceil(8300 / BLOCK) * BLOCK * KVB
-    assert pdd[1].prefill_hit_tokens == 8000  # P held the previous prompt only
+    assert [r.pipeline for r in cross] == [Pipeline.p_d_cross] * 2
+    # the first token waits for the decoder in both cross-DC PDs, for all the prompt's KV in the naive one
+    assert cross[1].ttft_s < naive[1].ttft_s and cross[1].ttft_s > pdd[1].ttft_s
 
 
 # ---- conservation and determinism -------------------------------------------------------
