@@ -38,6 +38,7 @@ from app.api.openai_responses import (
     new_request_id,
     now,
 )
+from app.api.sampling import sampling_options, truncated
 from app.api.streams import all_of, merge_streams, prompt_only, sse
 from app.conductor.conductor import Conductor
 from app.conductor.engine_client import EngineClient
@@ -47,7 +48,7 @@ from app.conductor.journal import JOURNAL_CAPACITY
 from app.conductor.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine.devmodel import resolve_model_source
-from app.engine.token_channel import SamplingOptions, TokenLogprob
+from app.engine.token_channel import TokenLogprob
 from app.ray_private import serve_http_host
 from app.telemetry.replica_logging import log_to_stderr
 
@@ -131,21 +132,11 @@ class ConductorIngress:
             raise APIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for {n * len(prompts)} choices; at most {limit} ({bound})", param=param)
         request_id = new_request_id(prefix)
         many = n * len(prompts) > 1
-        stop, mode, logit_bias, logprobs = body.stop_list(), self._mode(body.pdd_mode), self._logit_bias(body), body.requested_logprobs()
+        stop, mode, vocab = body.stop_list(), self._mode(body.pdd_mode), len(self.tokenizer)
         gens = []
         for i, ids in enumerate(prompts):
-            sampling = SamplingOptions(
-                max_tokens=max(1, self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None)),
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                seed=body.seed,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                ignore_eos=bool(body.ignore_eos),
-                logit_bias=logit_bias,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
+            room = max(1, self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None))
+            sampling = sampling_options(body, room, vocab, prompt_logprobs)
             for j in range(n):
                 gens.append(
                     GenerationRequest(
@@ -154,6 +145,7 @@ class ConductorIngress:
                         sampling=sampling if body.seed is None else msgspec.structs.replace(sampling, seed=body.seed + j),
                         stop=stop,
                         mode=mode,
+                        include_stop=bool(body.include_stop_str_in_output),
                     )
                 )
         return request_id, gens
@@ -165,14 +157,6 @@ class ConductorIngress:
         if text is None:
             text = self._token_texts[token_id] = str(self.tokenizer.decode([self._anchor, token_id]))[len(self._anchor_text) :]
         return text
-
-    def _logit_bias(self, body: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
-        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-        vocab = len(self.tokenizer)
-        bad = next((t for t in bias if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
-        return bias or None
 
     def _max_new_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_tokens: int | None, which: str | None) -> int:
         """max_tokens for one prompt, or the 400 that says why it does not fit (`which` names a batch's prompt)."""
@@ -204,16 +188,22 @@ class ConductorIngress:
             raise APIError(400, "This model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            # a list of ids, or a BatchEncoding (by transformers' version)
-            ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if body.add_special_tokens:  # the template's text, tokenized with BOS and the like added, as vLLM does
+                text: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                ids: Any = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            else:  # a list of ids, or a BatchEncoding (by transformers' version)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return truncated(ids, body.truncate_prompt_tokens, self.config.model.max_model_len)
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         texts = body.prompt_texts()
+        keep, context = body.truncate_prompt_tokens, self.config.model.max_model_len
         if texts is not None:
-            return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+            special = body.add_special_tokens is not False
+            return [truncated(list(ids), keep, context) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
         prompts = body.prompt_ids() or []
         vocab = len(self.tokenizer)
         for i, ids in enumerate(prompts):
@@ -221,7 +211,7 @@ class ConductorIngress:
             if bad is not None:
                 where = f"prompt.{i}" if isinstance(body.prompt[0], list) else "prompt"
                 raise APIError(400, f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=where)
-        return [list(ids) for ids in prompts]
+        return [truncated(list(ids), keep, context) for ids in prompts]
 
     # ---- running -------------------------------------------------------------
 

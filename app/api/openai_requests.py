@@ -111,6 +111,22 @@ class _SamplingFields(_Request):
     return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
     logit_bias: LogitBias | None = None
+    # vLLM's sampling extensions: each means what it means in vLLM's OpenAI server, on every engine a request crosses
+    top_k: Annotated[int, Field(ge=-1, description="Extension (vLLM's): sample among the k most likely tokens (0 or -1: all)")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1, description="Extension (vLLM's): drop tokens below this share of the likeliest one's probability")] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, description="Extension (vLLM's): > 1 discourages tokens already in the prompt or output")] | None = None
+    min_tokens: Annotated[int, Field(ge=0, description="Extension (vLLM's): no EOS, stop token or stop string before this many output tokens")] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256, description="Extension (vLLM's): token ids that end the output")] | None
+    ) = None
+    include_stop_str_in_output: bool | None = Field(default=None, description="Extension (vLLM's): keep the stop string or stop token's text in the output")
+    add_special_tokens: bool | None = Field(
+        default=None, description="Extension (vLLM's): add the tokenizer's special tokens (BOS) to the prompt; default true for completions, false for chat"
+    )
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, description="Extension (vLLM's): keep the last k prompt tokens (-1: the context length)")] | None = None
+    skip_special_tokens: Annotated[Any, Unsupported("text is rendered without special tokens", True)] = None
+    spaces_between_special_tokens: Annotated[Any, Unsupported("text is rendered without special tokens", True)] = None
+    priority: Annotated[Any, Unsupported("engines schedule first come, first served", 0)] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

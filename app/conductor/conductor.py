@@ -113,7 +113,14 @@ class Conductor:
                 key_fingerprint=req.key_fingerprint,
             )
         )
-        assembler = TextAssembler(self.tokenizer, req.prompt_token_ids, req.stop)
+        assembler = TextAssembler(
+            self.tokenizer,
+            req.prompt_token_ids,
+            req.stop,
+            min_tokens=req.sampling.min_tokens,
+            stop_token_ids=req.sampling.stop_token_ids,
+            include_stop=req.include_stop,
+        )
         clock = TokenClock()
         finish_reason: str | None = None
         text = ""

@@ -54,6 +54,8 @@ class GenerationRequest:
     mode: Mode
     key_fingerprint: str = ""
     """Of the API key that made the request (its journey records it)."""
+    include_stop: bool = False
+    """Keep a stop string or stop token's text in the output (`include_stop_str_in_output`)."""
 
 
 @dataclass

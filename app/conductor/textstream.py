@@ -3,7 +3,10 @@
 Engines return token IDs only, so a request's text is assembled here whether
 its tokens came from one engine or from RLD then MD. Stop strings are matched
 on the assembled text, so one spanning a handoff is still found, and text that
-could still become a stop string is held back until it cannot.
+could still become a stop string is held back until it cannot. As in vLLM, no
+stop string ends the output within its first `min_tokens` tokens, and the stop
+string, or the text of the stop token the engine ended on, is left out unless
+`include_stop` asks for it.
 """
 
 from __future__ import annotations
@@ -31,12 +34,18 @@ class TextAssembler:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         *,
+        min_tokens: int = 0,
+        stop_token_ids: list[int] | None = None,
+        include_stop: bool = False,
         context_tokens: int = 8,
     ):
         self._tokenizer = tokenizer
         # A little prompt context lets the decoder place the first word's space right.
         self._stream = DecodeStream(ids=prompt_token_ids[-context_tokens:], skip_special_tokens=True)
         self._stops = [s for s in (stop or []) if s]
+        self._min_tokens = min_tokens
+        self._stop_ids = frozenset(stop_token_ids or ())
+        self._include_stop = include_stop
         self._pending = ""  # decoded text not yet sent (could begin a stop string)
         self.text = ""  # everything sent so far
         self.num_tokens = 0
@@ -49,9 +58,14 @@ class TextAssembler:
         for i, tid in enumerate(token_ids):
             piece = self._stream.step(self._tokenizer, tid)
             self.num_tokens += 1
+            if tid in self._stop_ids:  # the engine ends on it (never before min_tokens: vLLM masks it till then)
+                if piece and self._include_stop:
+                    self._pending += piece
+                self.stopped = True
+                return TextDelta(self._flush_pending(), i + 1, stopped=True)
             if piece:
                 self._pending += piece
-            if self._stops and self._match_stop():
+            if self._stops and self.num_tokens > self._min_tokens and self._match_stop():
                 return TextDelta(self._flush_pending(), i + 1, stopped=True)
         return TextDelta(self._release(), len(token_ids))
 
@@ -61,10 +75,11 @@ class TextAssembler:
 
     def _match_stop(self) -> bool:
         # Pending text is short: at most a held-back stop prefix plus the newest piece.
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
         if not hits:
             return False
-        self._pending = self._pending[: min(hits)]
+        start, end = min(hits)
+        self._pending = self._pending[: end if self._include_stop else start]
         self.stopped = True
         return True
 

@@ -51,6 +51,12 @@ class SamplingOptions(msgspec.Struct):
     frequency_penalty: float = 0.0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """Penalises tokens of the prompt and the output alike: a continuation's earlier output, now in its prompt, counts the same."""
+    min_tokens: int = 0
+    """Output tokens before EOS or a stop token may end the request (a continuation gets what is left)."""
     logit_bias: dict[int, float] | None = None
     """Token id -> bias added to its logit: per token, so every engine applies the same."""
     logprobs: int | None = None
@@ -69,7 +75,11 @@ class SamplingOptions(msgspec.Struct):
         """For a request whose prompt goes on with `done` more of its output tokens:
         the rest of max_tokens (or `max_tokens`), the seed's stream `done` draws on."""
         return msgspec.structs.replace(
-            self, max_tokens=self.max_tokens - done if max_tokens is None else max_tokens, sampled_before=self.sampled_before + done, prompt_logprobs=None
+            self,
+            max_tokens=self.max_tokens - done if max_tokens is None else max_tokens,
+            sampled_before=self.sampled_before + done,
+            prompt_logprobs=None,
+            min_tokens=max(0, self.min_tokens - done),
         )
 
 

@@ -144,6 +144,18 @@ def test_penalties_count_the_output_of_every_engine_the_request_crossed(app, kno
     assert relayed != completion(app, prompt, 300, mode="colocated")[0]
 
 
+def test_vllms_sampling_extensions_hold_on_every_engine_the_request_crossed(app, knobs, slow_wan):
+    """top_k and min_p act per step, repetition_penalty reads prompt and output alike (the earlier
+    output is in the next engine's prompt), min_tokens is what is left on each engine."""
+    knobs(handoff=RELAY_64_ONE_SHOT)
+    prompt = fresh(LONG)
+    params = {"temperature": 1.0, "seed": 5, "top_k": 20, "min_p": 0.02, "repetition_penalty": 1.3, "min_tokens": 150}
+    relayed, journey = completion(app, prompt, 300, **params)
+    assert_crossed_every_engine(journey)
+    assert relayed == completion(app, prompt, 300, mode="colocated", **params)[0]
+    assert relayed != completion(app, prompt, 300, mode="colocated", **{**params, "repetition_penalty": 1.0})[0]
+
+
 def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
     knobs(handoff=RELAY_64_ONE_SHOT)
     prompt = fresh(LONG)

@@ -69,3 +69,32 @@ def test_feeding_after_stop_yields_nothing(tok):
     assert asm.feed(_ids(tok, "one two three")).stopped
     late = asm.feed(_ids(tok, "four"))
     assert late.stopped and late.text == ""
+
+
+def _assemble(tok, ids, **kw):
+    asm = TextAssembler(tok.backend_tokenizer, _ids(tok, "the prompt"), **kw)
+    out = ""
+    for tid in ids:
+        d = asm.feed([tid])
+        out += d.text
+        if d.stopped:
+            return out, d.num_tokens, asm.num_tokens
+    return out + asm.finish(), None, asm.num_tokens
+
+
+def test_no_stop_string_ends_the_output_within_min_tokens(tok):
+    ids = _ids(tok, "stop here, then stop again and more")
+    early, _, first_end = _assemble(tok, ids, stop=["stop"])
+    assert early.strip() == ""
+    later, _, second_end = _assemble(tok, ids, stop=["stop"], min_tokens=first_end)
+    assert later.strip() == "stop here, then" and second_end > first_end
+
+
+def test_the_stop_string_and_the_stop_tokens_text_are_kept_only_when_asked(tok):
+    ids = _ids(tok, "one two three four")
+    assert _assemble(tok, ids, stop=["three"])[0].strip() == "one two"
+    assert _assemble(tok, ids, stop=["three"], include_stop=True)[0].strip() == "one two three"
+    stop_id = _ids(tok, "one two three")[-1]
+    text, at, _ = _assemble(tok, ids, stop_token_ids=[stop_id])
+    assert text.strip() == "one two" and at == 1  # the stop token counts as output, its text does not
+    assert _assemble(tok, ids, stop_token_ids=[stop_id], include_stop=True)[0].strip() == "one two three"
