@@ -252,7 +252,7 @@ class EngineServer:
             top_k=s.top_k,
             min_p=s.min_p,
             repetition_penalty=s.repetition_penalty,
-            min_tokens=s.min_tokens,
+            min_tokens=min(s.min_tokens, s.max_tokens),  # a part of the request (P's one token, a catch-up step) stops at none before its end
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args or None,

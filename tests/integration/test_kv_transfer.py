@@ -97,6 +97,7 @@ def test_cross_dc_pd_pulls_only_what_the_conversations_decoder_lacks_streamed_or
     turn1 = tokens(13, 640)
     _, j1 = completion(app, turn1, 8, mode="pd_cross_dc")
     turn2 = turn1 + tokens(14, 300)
+    text, j2 = completion(app, turn2, 24, mode="pd_cross_dc")
     streamed = "".join(
         chunk.choices[0].text
         for chunk in api(app).completions.create(
@@ -104,7 +105,6 @@ def test_cross_dc_pd_pulls_only_what_the_conversations_decoder_lacks_streamed_or
         )
         if chunk.choices
     )
-    text, j2 = completion(app, turn2, 24, mode="pd_cross_dc")
     assert streamed == text == completion(app, turn2, 24, mode="colocated")[0]
     assert j2["pipeline"] == "P-D-cross" and j2["replicas"]["main_decode"] == j1["replicas"]["main_decode"]
     assert j2["hit_tokens"]["main_decode"] == 640 // BLOCK * BLOCK
