@@ -33,7 +33,6 @@ BINARY_PATH_VAR = "RAY_SERVE_HAPROXY_BINARY_PATH"
 ADMIN_HOST_VAR = "PDD_HAPROXY_ADMIN_HOST"
 ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
 """The sections of Ray's config whose listeners only operators read."""
-EVERY_INTERFACE = ("", "*", "0.0.0.0", "::", "[::]")
 
 
 def main() -> None:
@@ -68,6 +67,16 @@ def with_admin_on(args: Sequence[str], host: str) -> list[str]:
     return [*args[:at], str(target), *args[at + 1 :]]
 
 
+def _every_interface(bound: str) -> bool:
+    """Whether an HAProxy bind address takes every interface (none, `*`, or an unspecified IP)."""
+    if bound in ("", "*"):
+        return True
+    try:
+        return ip_address(bound.strip("[]")).is_unspecified
+    except ValueError:  # a host name
+        return False
+
+
 def narrowed(config: str, host: str) -> str:
     """An HAProxy config with the `bind` lines of ADMIN_SECTIONS that take every interface
     bound to `host` instead (same port); every other line as it was."""
@@ -79,7 +88,7 @@ def narrowed(config: str, host: str) -> str:
         words = line.split()
         if section in ADMIN_SECTIONS and len(words) >= 2 and words[0] == "bind":
             bound, _, port = words[1].rpartition(":")
-            if bound in EVERY_INTERFACE:
+            if _every_interface(bound):
                 line = line.replace(words[1], f"{address}:{port}", 1)
         lines.append(line)
     return "".join(lines)
