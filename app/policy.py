@@ -5,8 +5,10 @@ No I/O and no clocks: the conductor (real requests) and the digital twin
 twin predicts is what the cluster does.
 
 Rules (docs/design.md):
-- P-MD when what MD lacks crosses the WAN quickly enough (few blocks);
-  P-RLD-MD otherwise, so a relay decoder in A masks the transfer.
+- P-MD when the gap it causes is short enough: MD's pull of what it lacks,
+  behind the WAN's backlog, then MD's wait for a step and its extend step, as
+  finished journeys correct that prediction (`GapCorrection`); P-RLD-MD
+  otherwise, so a relay decoder in A masks the gap.
 - P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter
   (ultra-long, low-hit input with a tiny output) and while the WAN is down,
   because requests ending at RLD leave MD's cache behind P's and overload RLD.
@@ -71,6 +73,10 @@ class ClusterFacts:
     """False when no main decoder is alive (its datacenter is down)."""
     wan_backlog_bytes: int = 0
     """KV bytes already queued on the WAN by requests in flight: a new pull waits behind them."""
+    md_wait_ms: float = 0.0
+    """MD's side of the gap once its pull is done (`decoder_wait_ms`)."""
+    gap_correction_ms: float = 0.0
+    """What finished P-MD journeys say the prediction misses on this link and MD (`GapCorrection`)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class RouteDecision:
     expected_wan_ms: float
     md_hit_rate: float
     reason: str
+    predicted_gap_ms: float = 0.0
+    """The gap P-MD would cause (`predicted_gap_ms`), whichever pipeline was chosen."""
 
 
 @dataclass
@@ -156,6 +164,68 @@ def expected_transfer_ms(blocks: int, bytes_per_block: int, link: LinkFacts, bac
     return (link.rtt_s + (backlog_bytes + blocks * bytes_per_block) / link.bandwidth_bytes_per_s) * 1000
 
 
+def decoder_wait_ms(step_ms: float, running: int, batch_limit: int) -> float:
+    """MD's wait once its pull is done: the step it is in, then the extend step that computes the
+    first token's KV and samples the next. A request beyond the batch also waits for a slot,
+    counted as one step per request ahead; what that misses, the correction learns."""
+    ahead = max(0, running + 1 - batch_limit)
+    return step_ms * (2 + ahead)
+
+
+def predicted_gap_ms(wan_ms: float, md_wait_ms: float, correction_ms: float) -> float:
+    """The gap from P's first token to MD's: the pull, MD's wait, the correction; never negative."""
+    return max(0.0, wan_ms + md_wait_ms + correction_ms)
+
+
+#: `GapCorrection` defaults: each journey moves the correction a quarter of the way to its error,
+#: an idle correction halves every two minutes, and it never exceeds two seconds either way.
+GAP_CORRECTION_GAIN = 0.25
+GAP_CORRECTION_HALF_LIFE_S = 120.0
+GAP_CORRECTION_MAX_MS = 2000.0
+#: Keys (link and MD replica) kept: replicas come and go, the oldest entries leave first.
+GAP_CORRECTION_KEYS = 256
+
+
+class GapCorrection:
+    """What the gap prediction misses, per link and MD replica, learned from finished P-MD turns.
+
+    The prediction (pull + `decoder_wait_ms`) leaves out what neither model sees: MD's steps
+    slowed by other requests' warm-ups, a pull's own set-up, a token channel's hops. Each turn's
+    error (its gap as seen, less the uncorrected prediction) moves the correction `gain` of the
+    way; the correction is bounded (one slow turn cannot stop P-MD for long) and decays between
+    observations, so an error that stopped happening is forgotten even if no turn goes P-MD to
+    say so (a large correction sends every turn to the relay, which observes nothing)."""
+
+    def __init__(
+        self,
+        gain: float = GAP_CORRECTION_GAIN,
+        half_life_s: float = GAP_CORRECTION_HALF_LIFE_S,
+        max_ms: float = GAP_CORRECTION_MAX_MS,
+        max_keys: int = GAP_CORRECTION_KEYS,
+    ):
+        self.gain, self.half_life_s, self.max_ms, self.max_keys = gain, half_life_s, max_ms, max_keys
+        self._values: dict[str, tuple[float, float]] = {}
+        """key -> (correction ms, when it was last set), oldest first."""
+
+    def value(self, key: str, now: float) -> float:
+        """The correction for `key` at `now` (seconds, any monotonic clock): 0 for an unknown key."""
+        if key not in self._values:
+            return 0.0
+        correction, at = self._values[key]
+        return correction * 0.5 ** (max(0.0, now - at) / self.half_life_s)
+
+    def observe(self, key: str, uncorrected_ms: float, actual_ms: float, now: float) -> float:
+        """A finished turn's gap, against its prediction without correction; the new correction."""
+        correction = self.value(key, now)
+        correction += self.gain * (actual_ms - uncorrected_ms - correction)
+        correction = min(self.max_ms, max(-self.max_ms, correction))
+        self._values.pop(key, None)
+        self._values[key] = (correction, now)
+        while len(self._values) > self.max_keys:
+            del self._values[next(iter(self._values))]
+        return correction
+
+
 def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> bool:
     s = routing.singular
     return s.enabled and req.prompt_tokens >= s.min_prompt_tokens and hit_rate <= s.max_hit_rate and req.max_tokens <= s.max_output_tokens
@@ -164,18 +234,20 @@ def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> b
 def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingConfig) -> RouteDecision:
     blocks = blocks_missing(req.prompt_tokens, req.md_cached_tokens, cluster.block_size)
     wan_ms = expected_transfer_ms(blocks, cluster.kv_bytes_per_block, cluster.wan, cluster.wan_backlog_bytes)
+    gap_ms = predicted_gap_ms(wan_ms, cluster.md_wait_ms, cluster.gap_correction_ms)
     hit = min(req.md_cached_tokens, req.prompt_tokens) / req.prompt_tokens if req.prompt_tokens else 1.0
 
     def decide(pipeline: Pipeline, reason: str) -> RouteDecision:
-        return RouteDecision(pipeline, blocks, wan_ms, hit, reason)
+        return RouteDecision(pipeline, blocks, wan_ms, hit, reason, gap_ms)
 
     if not (cluster.wan_up and cluster.md_available) and cluster.rld_available:
         why = "WAN down" if not cluster.wan_up else "no main decoder alive"
         return decide(Pipeline.p_rld, f"{why}: the relay finishes the request in datacenter A")
-    cheap = wan_ms <= routing.max_wan_transfer_ms
+    cheap = gap_ms <= routing.max_wan_transfer_ms
     hit_ok = routing.min_hit_rate is None or hit >= routing.min_hit_rate
+    gap = f"predicted gap {gap_ms:.0f} ms (WAN transfer {wan_ms:.0f} ms)"
     if cheap and hit_ok:
-        return decide(Pipeline.p_md, f"WAN transfer {wan_ms:.0f} ms within {routing.max_wan_transfer_ms:.0f} ms")
+        return decide(Pipeline.p_md, f"{gap} within {routing.max_wan_transfer_ms:.0f} ms")
     if not cluster.rld_available:
         if routing.prefill_relays and cluster.md_available:
             return decide(Pipeline.p_p_md, "no relay decoder alive: prefill relays while MD pulls")
@@ -184,7 +256,7 @@ def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingCo
         return decide(Pipeline.p_rld, f"singular: {req.prompt_tokens}-token prompt, hit {hit:.0%}, {req.max_tokens} output tokens")
     if cluster.rld_load >= routing.max_relay_load:
         return decide(Pipeline.p_md, f"relay saturated ({cluster.rld_load:.0%} >= {routing.max_relay_load:.0%})")
-    why = f"WAN transfer {wan_ms:.0f} ms over {routing.max_wan_transfer_ms:.0f} ms" if not cheap else f"MD hit {hit:.0%} below {routing.min_hit_rate:.0%}"
+    why = f"{gap} over {routing.max_wan_transfer_ms:.0f} ms" if not cheap else f"MD hit {hit:.0%} below {routing.min_hit_rate:.0%}"
     return decide(Pipeline.p_rld_md, why)
 
 

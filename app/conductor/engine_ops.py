@@ -9,6 +9,7 @@ client leaves first) the prefix index learns what that replica's cache now holds
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from msgspec.structs import replace
 
 from app.conductor.engine_client import EngineClient, NoReplicaError
+from app.conductor.gaps import GapModel
 from app.conductor.generation import ENGINE_FAILURES, GenerationRequest, PrefillUnavailable, Tokens, check, note_failover
 from app.conductor.journal import Journey, Transfer
 from app.conductor.link_accounts import LinkAccounts
@@ -53,6 +55,8 @@ class EngineOps:
         self.accounts = accounts
         self.background: set[asyncio.Task] = set()
         """Engine work that outlives its request (an MD warm-up after the relay finished)."""
+        self.gaps = GapModel()
+        """Decoders' step times, read off their streams, and the gap prediction's corrections."""
 
     async def prefill(self, req: GenerationRequest, journey: Journey, consumers: int, keys: list[int]) -> tuple[EngineDelta, ReplicaInfo]:
         """P computes the prompt's KV and the first token; the KV stays leased for
@@ -91,9 +95,15 @@ class EngineOps:
         pull = (request.kv_transfer_params or {}).get(PULL, {})
         expected = int(pull.get("expected_bytes") or 0)
         place = self.accounts.start(pull["link"], request.request_id, expected, replica.replica_id) if expected else None
+        last_tokens_at: float | None = None
         async with aclosing(self.engines.stream(replica, request)) as stream:
             async for delta in stream:
                 check(delta, role)
+                if delta.token_ids:  # after the first, each delta's interval is a step of this replica's batch
+                    now = time.monotonic()
+                    if last_tokens_at is not None:
+                        self.gaps.steps.note(replica.replica_id, now - last_tokens_at, len(delta.token_ids))
+                    last_tokens_at = now
                 moved = 0
                 if delta.transfer is not None:
                     moved = int(delta.transfer.get("bytes", 0))

@@ -74,6 +74,9 @@ class Journey:
     decode_ms: float | None = None
     """First to last token."""
     max_gap_ms: float | None = None
+    md_gap_ms: float | None = None
+    """P-MD: from P's first token to MD's, as the conductor saw them; routing predicted it as
+    `decision["predicted_gap_ms"]`."""
     completion_tokens: int = 0
     finish_reason: str | None = None
     outcome: str | None = None

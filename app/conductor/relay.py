@@ -30,6 +30,7 @@ from typing import Any
 
 from app.conductor.engine_client import NoReplicaError
 from app.conductor.engine_ops import EngineOps, lease_of
+from app.conductor.gaps import note_decision
 from app.conductor.generation import ENGINE_FAILURES, GenerationRequest, Tokens, note_failover
 from app.conductor.journal import Journey
 from app.config import RoleName
@@ -84,6 +85,8 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
     link = ops.config.link(p_dc, md_dc)
     wan = direction_name(p_dc, md_dc)
     wan_down = await ops.links.down_reason(p_dc, md_dc)
+    md_batch = ops.config.roles.of(RoleName.main_decode).engine.max_num_seqs
+    md_wait, correction = ops.gaps.md_side(wan, md.replica_id, ops.engines.load(md.replica_id), md_batch) if md is not None else (0.0, 0.0)
     decision = choose_pipeline(
         RequestFacts(len(req.prompt_token_ids), req.sampling.max_tokens, md_cached),
         ClusterFacts(
@@ -95,17 +98,12 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
             wan_up=wan_down is None,
             md_available=md is not None,
             wan_backlog_bytes=ops.accounts.backlog(wan),
+            md_wait_ms=md_wait,
+            gap_correction_ms=correction,
         ),
         ops.knobs.routing,
     )
-    journey.pipeline = decision.pipeline.value
-    journey.decision = {
-        "reason": decision.reason,
-        "md_hit_estimate": round(decision.md_hit_rate, 4),
-        "blocks_to_send": decision.blocks_to_send,
-        "expected_wan_ms": round(decision.expected_wan_ms, 1),
-        "rld_load": round(load, 3),
-    }
+    note_decision(journey, decision, md_wait, correction, wan, load)
     if wan_down is not None:
         journey.decision["wan_down"] = wan_down
     consumers = 2 if decision.pipeline is Pipeline.p_rld_md else 1
@@ -116,6 +114,7 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
         return
     lease = lease_of(first)
     yield Tokens(first.token_ids, RoleName.prefill, logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs)
+    first_sent = time.monotonic()
 
     wan_bytes = decision.blocks_to_send * shape.kv_bytes_per_block
     # choose_pipeline names only pipelines whose decoders are alive; a relay hands MD P's lease
@@ -123,6 +122,7 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
         assert md is not None
         await ops.placement.await_warm(pending)
         stream = ops.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
+        stream = ops.gaps.timed(stream, journey, first_sent, wan, md.replica_id, decision.expected_wan_ms + md_wait)
     elif decision.pipeline is Pipeline.p_rld:
         if md is not None:  # singular, or WAN down: MD never sees this request
             ops.placement.unroute(md, keys)

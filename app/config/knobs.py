@@ -29,8 +29,11 @@ class RoutingConfig(StrictModel):
     """Live knob: which pipeline a request takes (conductor user_config)."""
 
     max_wan_transfer_ms: Annotated[float, Field(ge=0)] = 300.0
-    """P-MD when the expected WAN transfer (blocks MD lacks x bytes / bandwidth
-    + RTT) is at most this; above it P-RLD-MD masks the transfer with a relay."""
+    """P-MD when the gap it is predicted to cause is at most this; above it
+    P-RLD-MD masks the gap with a relay. The gap: the WAN transfer of the blocks
+    MD lacks (x bytes / bandwidth + RTT, behind the link's backlog), then MD's
+    wait for a step and its extend step, corrected by what finished P-MD turns
+    showed (app/policy.py `GapCorrection`)."""
     min_hit_rate: Annotated[float, Field(ge=0, le=1)] | None = None
     """Alternative form of the threshold: when set, P-MD also requires MD's
     expected prefix hit to be at least this."""

@@ -53,6 +53,15 @@ REQUESTS = _spec("pdd_requests", "counter", "Requests finished, by mode, pipelin
 TTFT = _spec("pdd_ttft_seconds", "histogram", "Time to first token seen by the conductor.", ("pipeline",), LATENCY_BUCKETS)
 TPOT = _spec("pdd_tpot_seconds", "histogram", "Mean time per output token after the first, per request.", ("pipeline",), TPOT_BUCKETS)
 MAX_GAP = _spec("pdd_max_gap_seconds", "histogram", "Worst inter-token gap of each request (handoffs and transfers show here).", ("pipeline",), LATENCY_BUCKETS)
+GAP_ERROR = _spec(
+    "pdd_gap_prediction_error_seconds",
+    "histogram",
+    "How far each P-MD turn's gap (P's first token to MD's) was from the gap routing predicted for it, by link "
+    "and direction (under: the gap was longer than predicted; over: shorter). The mean signed error is "
+    "(under's _sum - over's _sum) / both _counts.",
+    ("link", "direction"),
+    LATENCY_BUCKETS,
+)
 HANDOFF = _spec("pdd_handoff_seconds", "histogram", "RLD -> MD handoff: from the decision to MD's first token.", ("mode",), LATENCY_BUCKETS)
 HANDOFF_TOKENS = _spec("pdd_handoff_tokens", "histogram", "Eager tokens MD recomputed at handoff (all steps).", ("mode",), TOKEN_BUCKETS)
 KV_BYTES = _spec("pdd_kv_transfer_bytes", "counter", "KV bytes pulled over each link (source datacenter -> destination).", ("link",))
@@ -91,6 +100,7 @@ ALL: tuple[MetricSpec, ...] = (
     TTFT,
     TPOT,
     MAX_GAP,
+    GAP_ERROR,
     HANDOFF,
     HANDOFF_TOKENS,
     KV_BYTES,
@@ -196,6 +206,10 @@ def record_journey(journey, slo, outcome: str) -> None:
         r.observe(MAX_GAP, journey.max_gap_ms / 1000, pipeline=pipeline)
         if journey.max_gap_ms > slo.max_gap_ms:
             r.inc(SLO_VIOLATIONS, pipeline=pipeline, slo="gap")
+    predicted = journey.decision.get("predicted_gap_ms")
+    if journey.md_gap_ms is not None and predicted is not None:
+        error = (journey.md_gap_ms - predicted) / 1000
+        r.observe(GAP_ERROR, abs(error), link=journey.decision.get("link", ""), direction="under" if error > 0 else "over")
     record_kv(journey)
     if journey.handoff and journey.handoff.get("mode") != "none":
         mode = journey.handoff["mode"]

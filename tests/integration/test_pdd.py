@@ -298,6 +298,10 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     turn3 = turn2 + second.choices[0].token_ids + fresh(60)
     _, journey = completion(app, turn3, 8)
     assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
+    # the gap routing predicted and the one seen: at least MD's pull, and the worst of the turn here
+    decision, (pull,) = journey["decision"], [t for t in journey["transfers"] if t["link"] == WAN]
+    assert decision["predicted_gap_ms"] == pytest.approx(decision["expected_wan_ms"] + decision["md_wait_ms"] + decision["gap_correction_ms"], abs=0.2)
+    assert pull["seconds"] * 1000 < journey["md_gap_ms"] <= journey["max_gap_ms"] + 1
 
 
 def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estimate(app, knobs):
@@ -321,6 +325,10 @@ def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estim
     turn2 = turn1 + first.choices[0].token_ids + fresh(60)
     _, journey = completion(app, turn2, 8)
     assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
+    # the gap routing predicted and the one seen: at least MD's pull, and the worst of the turn here
+    decision, (pull,) = journey["decision"], [t for t in journey["transfers"] if t["link"] == WAN]
+    assert decision["predicted_gap_ms"] == pytest.approx(decision["expected_wan_ms"] + decision["md_wait_ms"] + decision["gap_correction_ms"], abs=0.2)
+    assert pull["seconds"] * 1000 < journey["md_gap_ms"] <= journey["max_gap_ms"] + 1
 
 
 def test_singular_request_finishes_on_the_relay(app, knobs):

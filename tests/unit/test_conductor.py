@@ -1,6 +1,7 @@
 """The conductor's stream handling, on scripted engine streams (no vLLM)."""
 
 import asyncio
+from contextlib import aclosing
 
 import pytest
 from transformers import AutoTokenizer
@@ -21,7 +22,8 @@ SENTENCE = "the cluster relays the first tokens then the main decoder takes over
 class ScriptedEngines:
     """Stands in for app.conductor.engine_client.EngineClient: one main decoder whose streams
     emit SENTENCE's tokens, one per loop turn (the first with `transfer`, a pull's
-    report, if set); it records which streams are open, and calls `on_open` as one opens.
+    report, if set; `step_s` apart after the first); it records which streams are open, and
+    calls `on_open` as one opens.
     A request asking for prompt log probabilities gets them on its first delta, as vLLM
     sends them, unless `scores_prompt` is off; `failures` streams fail before any token."""
 
@@ -32,6 +34,7 @@ class ScriptedEngines:
         self.open: set[str] = set()
         self.scores_prompt = True
         self.failures = 0
+        self.step_s = 0.0
         self.requests: list[EngineRequest] = []
         self.replica = ReplicaInfo("md-0", "main_decode", "127.0.0.1", "node", "dc-b", 1000, 16, 0, 1024)
 
@@ -63,7 +66,7 @@ class ScriptedEngines:
                 raise ChannelClosed("scripted failure")
             scored = request.sampling.prompt_logprobs is not None and self.scores_prompt
             for i, token in enumerate(self.token_ids):
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.step_s if i else 0)
                 last = i == len(self.token_ids) - 1
                 transfer = self.transfer if i == 0 else None
                 prompt_logprobs = [TokenLogprob(-1.0 * t) for t in request.prompt_token_ids[1:]] if scored and i == 0 else None
@@ -156,6 +159,19 @@ async def test_a_first_token_without_a_report_means_the_pull_moved_nothing(condu
     before, after = await _pull_stream(conductor, 50_000_000)
     assert before > 40_000_000 and after == 0
     assert conductor.accounts.share("dc-a->dc-b").finish("req-1-md", now=1e9) is None  # gone from the share model too
+
+
+async def test_a_decoders_step_time_is_read_off_its_streams(conductor):
+    """Routing's MD wait (policy.decoder_wait_ms) counts this replica's recent step time."""
+    conductor.engines.step_s = 0.02
+    request = EngineRequest("req-1-md", [11, 12, 13], SamplingOptions(max_tokens=200))
+    journey = Journey("req-1", "pdd", 3, 200)
+    assert conductor.ops.gaps.steps.step_ms("md-0") == 0.0
+    async with aclosing(conductor.ops.decode_stream(RoleName.main_decode, conductor.engines.replica, request, journey)) as stream:
+        count = len([delta async for delta in stream])
+    assert count > 5
+    assert 18 < conductor.ops.gaps.steps.step_ms("md-0") < 60
+    assert conductor.ops.gaps.md_wait_ms("md-0", running=0, batch_limit=4) == pytest.approx(2 * conductor.ops.gaps.steps.step_ms("md-0"))
 
 
 def _scored_request(prompt: list[int]) -> GenerationRequest:

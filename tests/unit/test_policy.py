@@ -8,7 +8,9 @@ from app.config import HandoffConfig, HandoffMode, RoutingConfig, SingularFilter
 from app.policy import (
     AUTO_ONE_SHOT_LOAD,
     MAX_CATCH_UP_ROUNDS,
+    GAP_CORRECTION_MAX_MS,
     ClusterFacts,
+    GapCorrection,
     HandoffStep,
     LinkBacklog,
     LinkFacts,
@@ -18,6 +20,7 @@ from app.policy import (
     RequestFacts,
     blocks_missing,
     choose_pipeline,
+    decoder_wait_ms,
     expected_transfer_ms,
     next_handoff_step,
     relay_cap,
@@ -96,6 +99,62 @@ def test_a_backlog_can_move_a_request_onto_the_relay():
     assert d.pipeline is Pipeline.p_rld_md and d.expected_wan_ms == pytest.approx(expected_transfer_ms(11, BYTES_PER_BLOCK, WAN))
 
 
+def test_mds_wait_and_the_correction_are_part_of_the_gap():
+    req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms
+    busy_md = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, md_wait_ms=40.0)
+    d = choose_pipeline(req, busy_md, routing(max_wan_transfer_ms=300))
+    assert d.pipeline is Pipeline.p_rld_md and d.predicted_gap_ms == pytest.approx(d.expected_wan_ms + 40)
+    assert "predicted gap 332 ms" in d.reason
+    learned_faster = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, md_wait_ms=40.0, gap_correction_ms=-50.0)
+    assert choose_pipeline(req, learned_faster, routing(max_wan_transfer_ms=300)).pipeline is Pipeline.p_md
+
+
+def test_mds_wait_is_the_step_in_progress_the_extend_step_and_the_requests_ahead():
+    assert decoder_wait_ms(20.0, running=0, batch_limit=4) == 40.0
+    assert decoder_wait_ms(20.0, running=3, batch_limit=4) == 40.0  # the last free slot
+    assert decoder_wait_ms(20.0, running=5, batch_limit=4) == 80.0  # two requests ahead of it
+    assert decoder_wait_ms(0.0, running=9, batch_limit=4) == 0.0  # no step seen yet: the correction learns it
+
+
+def test_the_correction_learns_a_steady_error_and_forgets_it_when_turns_stop():
+    c = GapCorrection(gain=0.25, half_life_s=60.0, max_ms=2000.0)
+    assert c.value("wan|md-1", 0.0) == 0.0
+    for t in range(40):
+        c.observe("wan|md-1", uncorrected_ms=200.0, actual_ms=500.0, now=float(t))
+    steady = 0.25 * 300 / (1 - 0.75 * 0.5 ** (1 / 60))  # the error, less what decays between turns
+    assert 280 < c.value("wan|md-1", 39.0) == pytest.approx(steady, rel=0.01)
+    assert c.value("wan|md-1", 99.0) == pytest.approx(steady / 2, rel=0.01)  # one half-life later
+    assert c.value("wan|md-2", 39.0) == 0.0  # per MD replica
+
+
+def test_the_correction_keeps_the_newest_keys():
+    c = GapCorrection(max_keys=2)
+    for i, key in enumerate(("a", "b", "c")):
+        c.observe(key, 0.0, 100.0, float(i))
+    c.observe("b", 0.0, 100.0, 3.0)
+    c.observe("d", 0.0, 100.0, 4.0)
+    assert c.value("a", 4.0) == 0.0 and c.value("c", 4.0) == 0.0
+    assert c.value("b", 4.0) > 0 and c.value("d", 4.0) > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 600)), min_size=1, max_size=50),
+    st.floats(0.01, 1),
+    st.floats(1, 1000),
+)
+def test_the_correction_stays_bounded_and_decays_toward_zero(turns, gain, half_life):
+    c = GapCorrection(gain=gain, half_life_s=half_life, max_ms=1500.0)
+    now = 0.0
+    for uncorrected, actual, wait in turns:
+        now += wait
+        assert abs(c.observe("k", uncorrected, actual, now)) <= 1500.0
+    last = c.value("k", now)
+    later = c.value("k", now + half_life)
+    assert abs(later) == pytest.approx(abs(last) / 2, abs=1e-6)
+    assert abs(c.value("k", now + 50 * half_life)) < 1e-9 + abs(last) * 1e-12
+
+
 def test_high_hit_goes_p_md():
     d = choose_pipeline(RequestFacts(4000, 100, 3968), cluster(), routing(max_wan_transfer_ms=300))
     assert d.pipeline is Pipeline.p_md and d.blocks_to_send == 1
@@ -141,6 +200,8 @@ cluster_st = st.builds(
     rld_load=st.floats(0, 2),
     rld_available=st.booleans(),
     wan_up=st.booleans(),
+    md_wait_ms=st.floats(0, 5000),
+    gap_correction_ms=st.floats(-GAP_CORRECTION_MAX_MS, GAP_CORRECTION_MAX_MS),
 )
 routing_st = st.builds(
     RoutingConfig,
@@ -182,6 +243,14 @@ def test_more_cache_never_moves_a_request_onto_the_relay(facts, cl, r):
     if choose_pipeline(facts, cl, r).pipeline is Pipeline.p_md:
         more = RequestFacts(facts.prompt_tokens, facts.max_tokens, facts.md_cached_tokens + cl.block_size * 4)
         assert choose_pipeline(more, cl, r).pipeline is Pipeline.p_md
+
+
+@settings(max_examples=300, deadline=None)
+@given(facts_st, cluster_st, routing_st)
+def test_the_predicted_gap_is_never_negative_and_includes_every_part(facts, cl, r):
+    d = choose_pipeline(facts, cl, r)
+    assert d.predicted_gap_ms >= 0
+    assert d.predicted_gap_ms == pytest.approx(max(0.0, d.expected_wan_ms + cl.md_wait_ms + cl.gap_correction_ms))
 
 
 def test_auto_mode_depends_on_relay_load():
