@@ -41,6 +41,16 @@ def wan_threshold_goal(intent_ms: float, slowdown: float) -> float:
     return intent_ms / max(1.0, slowdown)
 
 
+def gap_threshold_ceiling(max_gap_ms: float, error_s: float | None) -> float:
+    """The highest `routing.max_wan_transfer_ms` that can keep P-MD's gaps under the target.
+
+    The threshold bounds a turn's predicted gap, and the turn's gap is its prediction plus the
+    prediction's error: past the target less a positive mean error, the threshold admits turns
+    whose gap is expected over the target.
+    """
+    return max(0.0, max_gap_ms - max(0.0, error_s or 0.0) * 1000)
+
+
 def relay_cap_goal(transfer_s: float, tpot_s: float) -> int:
     """Tokens RLD must be allowed to produce while MD waits for the KV (with a margin)."""
     if tpot_s <= 0:
@@ -55,6 +65,12 @@ def lower_by_step(target: str, current: float, bounds: KnobBounds) -> float | in
 
 def raise_by_step(target: str, current: float, bounds: KnobBounds) -> float | int | None:
     return step_toward(target, current, current + bounds.max_step, bounds)
+
+
+def raise_within(target: str, current: float, ceiling: float, bounds: KnobBounds) -> float | int | None:
+    """One step up, no further than `ceiling`; None when that is no move (at the ceiling or its bound)."""
+    new = step_toward(target, current, min(current + bounds.max_step, ceiling), bounds)
+    return new if new is not None and new > current else None
 
 
 def regressed(before: float | None, after: float | None, tolerance: float, floor: float = 0.5) -> bool:

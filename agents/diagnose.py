@@ -1,15 +1,23 @@
 """Diagnose: name the situations a Snapshot shows (agents/situations.py), each with its
 evidence (query + value). `streak` counts consecutive active ticks; the guard acts only
 once a situation has lasted `agents.confirm_ticks`.
+
+The SLO objectives' breaches are checked in agents/breaches.py, knobs' returns to the
+config's values in agents/intent.py; agents/judge.py holds what every check shares.
 """
 
 from __future__ import annotations
 
 from agents import figures as f
-from agents.knobs import get_knob, replica_target
+from agents.breaches import objectives
+from agents.controllers import gap_threshold_ceiling, raise_within
+from agents.intent import returns
+from agents.judge import Judge
+from agents.knobs import get_knob, knob_bounds, replica_target
 from agents.memory import Memory
 from agents.situations import (
     BATHTUB_VALLEY,
+    GAP_ROOM,
     HIT_GAP,
     IDLE_LOAD,
     LEASE_EXCESS,
@@ -17,19 +25,14 @@ from agents.situations import (
     LEASE_SLACK,
     LEASES_GONE,
     MD_HIT_BEHIND,
-    MIN_BREACH_REQUESTS,
     OVER_PROVISIONED,
     OVER_SCORE,
     PREFILL_RELAYING,
-    RECOVERED_SLOWDOWN,
+    RELAY_LOAD,
+    RELAY_SATURATED,
     REPLICA_CRASH,
     RLD_LOAD,
     RLD_OVERLOAD,
-    RLD_RECOVERED,
-    SLO_RATIO,
-    SPECIALISTS,
-    TPOT_BREACH,
-    TTFT_BREACH,
     VALLEY_GAP,
     VALLEY_SHARE,
     WAN_DEGRADATION,
@@ -42,33 +45,15 @@ from agents.situations import (
 from app.config import AgentsConfig, LiveKnobs, PDDConfig, RoleName
 from app.telemetry.snapshot import Snapshot
 
+THRESHOLD = "routing.max_wan_transfer_ms"
 
-class _Diagnosis:
-    def __init__(self, snap: Snapshot, config: PDDConfig, agents: AgentsConfig, knobs: LiveKnobs, memory: Memory, now: float):
-        self.snap, self.config, self.agents, self.knobs, self.memory, self.now = snap, config, agents, knobs, memory, now
-        self.found: list[Situation] = []
 
-    def past(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
-        """Above the entry threshold, or above the exit threshold while already active."""
-        if value is None:
-            return False
-        return value >= (band[1] if key in self.memory.streaks else band[0])
-
-    def below(self, key: str, value: float | None, band: tuple[float, float]) -> bool:
-        if value is None:
-            return False
-        return value < (band[1] if key in self.memory.streaks else band[0])
-
-    def add(self, name: str, summary: str, evidence: list[Evidence], subject: str = "", severity: int = 1, figure: float | None = None) -> None:
-        self.found.append(
-            Situation(name=name, subject=subject, summary=summary, severity=severity, figure=figure, evidence=evidence, specialists=list(SPECIALISTS[name]))
-        )
-
-    def q(self, name: str) -> str:
-        return self.snap.query(name)
-
+class _Diagnosis(Judge):
     def run(self) -> list[Situation]:
-        for check in (self.rld, self.saturation, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash, self.prefill_relaying):
+        # the SLO objectives come after the RLD, WAN and valley checks, since a gap breach is not named
+        # where one of those explains it (agents/breaches.py); returns to intent last, once every
+        # situation that could hold a knob away from its intent is known (agents/intent.py)
+        for check in (self.rld, self.saturation, self.hit, self.wan, self.valley, self.slo, self.leases, self.crash, self.prefill_relaying, self.intent):
             check()
         if not any(s.severity for s in self.found):
             self.spare()
@@ -76,39 +61,78 @@ class _Diagnosis:
             s.streak = self.memory.streaks.get(s.key, 0) + 1
         return self.found
 
+    def slo(self) -> None:
+        objectives(self)
+
+    def intent(self) -> None:
+        returns(self)
+
     def rld(self) -> None:
         if self.config.roles.relay_decode is None:
             return
         load = f.role_load(self.snap, self.config, RoleName.relay_decode)
-        cap = get_knob(self.knobs, "handoff.relay_cap_tokens")
-        intent = self.config.handoff.relay_cap_tokens
-        if load is not None and load < RLD_RECOVERED and cap < intent:
-            self.add(
-                RLD_OVERLOAD,
-                f"relay decoders {load:.0%} busy again; the relay cap returns towards the configured {intent}",
-                [
-                    Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_RECOVERED),
-                ],
-                subject="recovered",
-                severity=0,
-            )
+        if self.relay_saturated(load):
             return
         if self.past(RLD_OVERLOAD, load, RLD_LOAD):
-            dep = f.deployment(RoleName.relay_decode)
             self.add(
                 RLD_OVERLOAD,
                 f"relay decoders {load:.0%} busy",
                 [
-                    Evidence(query=self.q("ongoing_by_deployment"), value=self.snap.ongoing_by_deployment.get(dep), note=f"{dep} requests in progress"),
-                    Evidence(
-                        query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"
-                    ),
+                    *self.rld_evidence(),
                     Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=RLD_LOAD[0]),
                     Evidence(query=self.q("relay_tokens_p90"), value=self.snap.relay_tokens_p90, note="relay tokens p90"),
                 ],
                 severity=2,
                 figure=load,
             )
+
+    def rld_evidence(self) -> list[Evidence]:
+        dep = f.deployment(RoleName.relay_decode)
+        return [
+            Evidence(query=self.q("ongoing_by_deployment"), value=self.snap.ongoing_by_deployment.get(dep), note=f"{dep} requests in progress"),
+            Evidence(query=self.q("replicas_healthy_by_deployment"), value=self.snap.replicas_healthy_by_deployment.get(dep), note=f"healthy {dep} replicas"),
+        ]
+
+    def relay_saturated(self, load: float | None) -> bool:
+        """RLD at `routing.max_relay_load` while P-MD's gaps have room: the WAN threshold is too low.
+
+        Named instead of rld_overload, not beside it: on the same RLD load, rld_overload's remedies
+        (shorter relays, a relay replica) cost gap or money, while a higher threshold moves the turns
+        with the shortest predicted gaps to P-MD, which P-MD's measured gaps say it can take (at the
+        relay's limit routing already sends requests P-MD, in arrival order rather than by gap). Left
+        to rld_overload where routing cannot raise the threshold: at its bound or at the gap target
+        less the prediction error, or on a link not as configured (wan_degradation's to hold it low).
+        """
+        limit = get_knob(self.knobs, "routing.max_relay_load")
+        share = load / limit if load is not None else None
+        room = f.gap_ratio(self.snap, self.config.slo, f.P_MD)
+        if not (self.past(RELAY_SATURATED, share, RELAY_LOAD) and self.below(RELAY_SATURATED, room, GAP_ROOM)):
+            return False
+        bounds = knob_bounds(self.agents, self.config, THRESHOLD)
+        threshold = get_knob(self.knobs, THRESHOLD)
+        ceiling = gap_threshold_ceiling(self.config.slo.max_gap_ms, f.gap_error_s(self.snap))
+        if bounds is None or raise_within(THRESHOLD, threshold, ceiling, bounds) is None or not self.link_as_configured():
+            return False
+        target = self.config.slo.max_gap_ms
+        gap = self.snap.gap_p99_by_pipeline[f.P_MD]
+        self.add(
+            RELAY_SATURATED,
+            f"relay decoders {load:.0%} busy, at routing.max_relay_load {limit:.0%}, while P-MD's worst-gap p99 is "
+            f"{gap * 1000:.0f} ms of the {target:.0f} ms target: routing.max_wan_transfer_ms {threshold:.0f} ms is too low",
+            [
+                *self.rld_evidence(),
+                Evidence(query="ongoing / (healthy x max_num_seqs)", value=load, threshold=limit, note="RLD load; threshold: routing.max_relay_load"),
+                Evidence(query=self.q("gap_p99_by_pipeline"), value=gap, threshold=GAP_ROOM[0] * target / 1000, note="P-MD worst-gap p99 seconds"),
+                *self.link_evidence(),
+                *self.gap_error_evidence(),
+                Evidence(
+                    query=THRESHOLD, value=threshold, threshold=ceiling, note="live threshold, ms (ceiling: the gap target less a positive prediction error)"
+                ),
+            ],
+            severity=2,
+            figure=share,
+        )
+        return True
 
     def saturation(self) -> None:
         for link in f.wan_links(self.snap, self.config):
@@ -160,15 +184,12 @@ class _Diagnosis:
             )
 
     def wan(self) -> None:
-        links = f.wan_links(self.snap, self.config)
-        degraded = False
-        for link in links:
+        for link in f.wan_links(self.snap, self.config):
             key = f"{WAN_DEGRADATION}:{link.link}"
             slow = self.past(key, link.slowdown, WAN_SLOWDOWN)
             failing = self.past(key, link.failure_ratio, WAN_FAILURES)
             if not (slow or failing):
                 continue
-            degraded = True
             if link.shared:
                 model = [
                     Evidence(
@@ -199,24 +220,6 @@ class _Diagnosis:
                 subject=link.link,
                 severity=2,
             )
-        if degraded or not links:
-            return
-        intent = self.config.routing.max_wan_transfer_ms
-        now_ms = get_knob(self.knobs, "routing.max_wan_transfer_ms")
-        cap_raised = get_knob(self.knobs, "handoff.relay_cap_tokens") > self.config.handoff.relay_cap_tokens
-        healthy = max(link.slowdown for link in links) < RECOVERED_SLOWDOWN
-        if healthy and (abs(now_ms - intent) > 1e-9 or cap_raised):
-            worst = max(links, key=lambda link: link.slowdown)
-            self.add(
-                WAN_DEGRADATION,
-                f"WAN healthy again ({worst.slowdown:.1f}x model); knobs return to the configured intent",
-                [
-                    Evidence(query=self.q("kv_seconds_mean_by_link"), value=worst.observed_s, note=f"{worst.link} mean pull seconds"),
-                    Evidence(query="observed / expected", value=worst.slowdown, threshold=RECOVERED_SLOWDOWN),
-                ],
-                subject="recovered",
-                severity=0,
-            )
 
     def valley(self) -> None:
         share = f.valley_share(self.snap)
@@ -233,34 +236,6 @@ class _Diagnosis:
                 severity=2,
                 figure=share,
             )
-
-    def slo(self) -> None:
-        slo = self.config.slo
-        for name, value, target, label in (
-            (TTFT_BREACH, self.snap.ttft_p, slo.ttft_ms, "ttft_p"),
-            (TPOT_BREACH, self.snap.tpot_p, slo.tpot_ms, "tpot_p"),
-        ):
-            ratio = value * 1000 / target if value is not None else None
-            over = self.snap.slo_violation_rate_by_slo.get(label[:4], 0.0) * self.snap.window_s
-            if value is not None and self.past(name, ratio, SLO_RATIO) and over >= MIN_BREACH_REQUESTS - 1e-9:
-                by = label.replace("_p", "_p_by_pipeline")
-                per = getattr(self.snap, by)
-                self.add(
-                    name,
-                    f"{label[:4].upper()} p{slo.percentile:g} {value * 1000:.0f} ms over the {target:.0f} ms target",
-                    [
-                        Evidence(query=self.q(label), value=value, threshold=target / 1000, note="seconds"),
-                        *(Evidence(query=self.q(by), value=v, note=p) for p, v in sorted(per.items())),
-                        Evidence(
-                            query=f"{self.q('slo_violation_rate_by_slo')} x {self.snap.window_s:g} s",
-                            value=over,
-                            threshold=MIN_BREACH_REQUESTS,
-                            note="requests over the target in the window",
-                        ),
-                    ],
-                    severity=2,
-                    figure=ratio,
-                )
 
     def leases(self) -> None:
         live, slope = self.snap.leases_live, self.snap.leases_slope

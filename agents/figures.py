@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.config import LinkConfig, PDDConfig, RoleName, SLOConfig
+from app.config import HandoffConfig, LinkConfig, PDDConfig, RoleName, SLOConfig
 from app.engine.deployments import DEPLOYMENT_NAMES
-from app.policy import Pipeline
+from app.policy import Pipeline, relay_cap
 from app.telemetry.snapshot import Snapshot
 
 #: The middle of the hit-rate range where PDD's benefit dips (the bathtub's
@@ -60,6 +60,29 @@ def role_load(snap: Snapshot, config: PDDConfig, role: RoleName) -> float | None
     if rc is None or not healthy or ongoing is None:
         return None
     return ongoing / (healthy * rc.engine.max_num_seqs)
+
+
+def gap_ratio(snap: Snapshot, slo: SLOConfig, pipeline: str) -> float | None:
+    """A pipeline's worst-gap p99 / the gap target (None without its requests in the window)."""
+    gap = snap.gap_p99_by_pipeline.get(pipeline)
+    return gap * 1000 / slo.max_gap_ms if gap is not None else None
+
+
+def gap_error_s(snap: Snapshot) -> float | None:
+    """The largest mean gap prediction error over the links (seconds; above 0 routing under-predicts)."""
+    return max(snap.gap_error_mean_by_link.values()) if snap.gap_error_mean_by_link else None
+
+
+def relay_cap_now(snap: Snapshot, config: PDDConfig, handoff: HandoffConfig) -> int:
+    """The most tokens a relay may produce at RLD's load now (app/policy.py `relay_cap`)."""
+    return relay_cap(handoff, role_load(snap, config, RoleName.relay_decode) or 0.0)
+
+
+def relay_cap_use(snap: Snapshot, config: PDDConfig, handoff: HandoffConfig) -> float | None:
+    """Relay tokens p90 / the relay cap at RLD's load now: near 1, relays run to their cap."""
+    if snap.relay_tokens_p90 is None:
+        return None
+    return snap.relay_tokens_p90 / relay_cap_now(snap, config, handoff)
 
 
 def hit_cdf(buckets: dict[str, float], x: float) -> float | None:

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 ORDER = (*PROPOSERS, CLERK)
 DESCRIPTIONS = {
-    "routing": "WAN-transfer / hit-rate threshold and the singular filter (WAN degradation, MD hit behind P, bathtub valley)",
-    "handoff": "handoff mode, catch-up threshold and relay cap (RLD overload, WAN degradation)",
+    "routing": "WAN-transfer / hit-rate threshold and the singular filter (WAN degradation, MD hit behind P, bathtub valley, "
+    "P-MD gap breach, relay saturated, threshold back to intent)",
+    "handoff": "handoff mode, catch-up threshold and relay cap (RLD overload, WAN degradation, P-RLD-MD gap breach, relay cap back to intent)",
     "capacity": "P:RLD:MD replica counts, cost-aware (SLO breaches, RLD overload, spare capacity)",
     "clerk": "runbook notices for what needs a person; always last",
 }

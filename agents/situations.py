@@ -17,10 +17,13 @@ WAN_SATURATED = "wan_saturated"
 BATHTUB_VALLEY = "bathtub_valley"
 TTFT_BREACH = "ttft_slo_breach"
 TPOT_BREACH = "tpot_slo_breach"
+GAP_BREACH = "gap_slo_breach"
+RELAY_SATURATED = "relay_saturated"
 LEASE_LEAK = "kv_lease_leak"
 REPLICA_CRASH = "replica_crash"
 OVER_PROVISIONED = "over_provisioned"
 PREFILL_RELAYING = "prefill_relaying"
+RETURN_TO_INTENT = "return_to_intent"
 
 #: Situation -> the specialists that act on it (agents/specialists/).
 SPECIALISTS: dict[str, tuple[str, ...]] = {
@@ -31,10 +34,13 @@ SPECIALISTS: dict[str, tuple[str, ...]] = {
     BATHTUB_VALLEY: ("routing", "capacity"),
     TTFT_BREACH: ("capacity",),
     TPOT_BREACH: ("capacity",),
+    GAP_BREACH: ("routing", "handoff"),
+    RELAY_SATURATED: ("routing",),
     LEASE_LEAK: ("clerk",),
     REPLICA_CRASH: ("clerk",),
     OVER_PROVISIONED: ("capacity",),
     PREFILL_RELAYING: ("capacity",),
+    RETURN_TO_INTENT: ("routing", "handoff"),
 }
 SITUATIONS = tuple(SPECIALISTS)
 
@@ -61,6 +67,15 @@ SLO_RATIO = (1.0, 0.85)
 MIN_BREACH_REQUESTS = 3
 """Requests over a target in the window without which its percentile is no breach: at a
 handful of requests a window's p90 is one slow request, and a replica would be bought for it."""
+RELAY_LOAD = (1.0, 0.85)
+"""RLD load / `routing.max_relay_load`: at 1 routing already sends requests P-MD for want of a relay."""
+GAP_ROOM = (0.5, 0.6)
+"""A pipeline's worst-gap p99 / the gap target below which its gaps have room: a relay saturated while
+P-MD's gaps sit below this is a threshold set too low (enter below the first, stay below the second),
+and a knob returns to its intent in the direction that lengthens the gaps only below the first."""
+RELAY_AT_CAP = 0.9
+"""Relay tokens p90 / the relay cap at RLD's load from which relays run to their cap (RLD stops
+before MD holds the KV, and the stream waits for MD)."""
 LEASE_EXCESS = (1.0, 0.8)
 """Live leases / what traffic explains ((requests in the last lease timeout + in flight) x 1.5 + LEASE_SLACK)."""
 LEASE_SLACK = 16

@@ -32,6 +32,7 @@ FROM_SWARM: dict[str, str] = {
     "kv_seconds_mean_by_link": "mean seconds per KV pull, by link (`dc-a->dc-b` is the WAN)",
     "kv_seconds_p90_by_link": "p90 seconds per KV pull, by link",
     "kv_slowdown_mean_by_link": "WAN pulls' seconds over what the configured link needs for them beside the pulls sharing it, by link (1: healthy, however busy)",
+    "gap_error_mean_by_link": "mean of each P-MD turn's gap less the gap routing predicted for it, seconds, by link (above 0: routing under-predicts the stall)",
     "kv_bytes_per_transfer_by_link": "mean bytes per KV pull, by link",
     "kv_transfer_rate_by_link": "KV pulls per second, by link",
     "kv_failure_rate_by_link": "failed KV pulls per second, by link",

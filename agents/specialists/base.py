@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.knobs import Change, get_knob, knob_bounds
+from agents.controllers import step_toward
+from agents.knobs import Change, fmt, get_knob, knob_bounds
 from agents.memory import Memory
 from agents.proposal import Proposal
 from agents.situations import Evidence, Situation
@@ -55,3 +56,18 @@ class View:
             streak=situation.streak,
             figure=situation.figure,
         )
+
+    def restore(self, specialist: str, situation: Situation, effects: tuple[str, str]) -> list[Proposal]:
+        """One bounded step of the knob a `return_to_intent` situation is about (its subject) back
+        towards the config's value (agents/intent.py judged that the figures leave room);
+        `effects`: what raising it, and what lowering it, does."""
+        target = situation.subject
+        bounds = self.bounds(target)
+        if bounds is None:
+            return []
+        current, intent = self.knob(target), get_knob(self.config.live_knobs(), target)
+        new = step_toward(target, current, intent, bounds)
+        if new is None or new == current:
+            return []
+        effect = effects[0] if new > current else effects[1]
+        return [self.propose(specialist, situation, target, current, new, f"{target} returns towards the configured {fmt(intent)}", effect)]

@@ -316,7 +316,7 @@ def propose(view: View) -> list[Proposal]:
         if s.name == OVER_PROVISIONED:
             down = _down(view, s, frozen)
             plan = [down] if down is not None else []
-        elif s.severity == 0:  # a recovery: the knobs go back, capacity stays
+        elif s.severity == 0:  # asks for no replica by itself (prefill relaying)
             continue
         else:
             role = _role_for(view, s)

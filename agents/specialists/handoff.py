@@ -6,16 +6,21 @@
 - WAN degradation: the relay must last as long as MD waits for the KV; the
   cap rises to cover the observed transfer time at the observed TPOT (unless
   RLD is overloaded: then a longer relay would make that worse).
-- Recovered (RLD load back under half, or the WAN back near its model): the
-  cap returns to the configured value, one step at a time.
+- Gap breach on P-RLD-MD (the stream stalls at the handoff): relays that run to
+  their cap stop before MD holds the KV, so the cap rises one step; otherwise a
+  one-shot handoff, which stalls while MD recomputes every relayed token, goes
+  to auto (two steps while RLD has headroom).
+- Return to intent (what moved the cap has cleared and the figures leave room,
+  agents/intent.py): the cap returns to the configured value, one step at a time.
+  The mode has no step and stays where a situation set it.
 """
 
 from __future__ import annotations
 
 from agents import figures as f
-from agents.controllers import lower_by_step, relay_cap_goal, step_toward
+from agents.controllers import lower_by_step, raise_by_step, relay_cap_goal, step_toward
 from agents.proposal import Proposal
-from agents.situations import RLD_OVERLOAD, WAN_DEGRADATION, Evidence, Situation
+from agents.situations import GAP_BREACH, RELAY_AT_CAP, RETURN_TO_INTENT, RLD_OVERLOAD, WAN_DEGRADATION, Evidence, Situation
 from agents.specialists.base import View
 from app.config import HandoffMode
 
@@ -25,8 +30,6 @@ RELAY_CAP = "handoff.relay_cap_tokens"
 
 
 def _overload(view: View, s: Situation) -> list[Proposal]:
-    if s.severity == 0:
-        return _restore(view, s, "RLD has headroom again")
     if view.knob(MODE) == HandoffMode.catch_up.value:
         return [
             view.propose(
@@ -65,10 +68,6 @@ def _wan(view: View, s: Situation) -> list[Proposal]:
     if bounds is None:
         return []
     current = view.knob(RELAY_CAP)
-    if s.severity == 0:
-        if current <= view.config.handoff.relay_cap_tokens:
-            return []
-        return _restore(view, s, "WAN recovered")
     if view.active(RLD_OVERLOAD):
         return []
     link = {x.link: x for x in f.wan_links(view.snap, view.config)}.get(s.subject)
@@ -96,17 +95,40 @@ def _wan(view: View, s: Situation) -> list[Proposal]:
     ]
 
 
-def _restore(view: View, s: Situation, why: str) -> list[Proposal]:
-    """The relay cap one step back towards the configured value."""
+def _gap(view: View, s: Situation) -> list[Proposal]:
+    """P-RLD-MD's gaps over the target: the stream stalls at the handoff (agents/breaches.py names why)."""
+    if s.subject != f.P_RLD_MD:
+        return []
+    use = f.relay_cap_use(view.snap, view.config, view.knobs.handoff)
     bounds = view.bounds(RELAY_CAP)
-    if bounds is None:
-        return []
-    current = view.knob(RELAY_CAP)
-    intent = view.config.handoff.relay_cap_tokens
-    new = step_toward(RELAY_CAP, current, intent, bounds)
-    if new is None:
-        return []
-    return [view.propose(NAME, s, RELAY_CAP, current, new, f"{why}; relay cap returns towards the configured {intent}", "relays run as configured again")]
+    if use is not None and use >= RELAY_AT_CAP and bounds is not None:
+        current = view.knob(RELAY_CAP)
+        new = raise_by_step(RELAY_CAP, current, bounds)
+        if new is not None and new > current:
+            return [
+                view.propose(
+                    NAME,
+                    s,
+                    RELAY_CAP,
+                    current,
+                    new,
+                    f"relays run to their cap ({use:.0%} of it at p90): RLD stops before MD holds the KV and the stream waits; the cap rises one step",
+                    "RLD keeps streaming until MD holds the KV: P-RLD-MD's worst-gap p99 falls",
+                )
+            ]
+    if view.knob(MODE) == HandoffMode.one_shot.value:
+        return [
+            view.propose(
+                NAME,
+                s,
+                MODE,
+                HandoffMode.one_shot.value,
+                HandoffMode.auto.value,
+                "one-shot handoffs stall the stream while MD recomputes every relayed token; auto warms MD in a first step while RLD has headroom",
+                "the last handoff step is short: P-RLD-MD's worst-gap p99 falls",
+            )
+        ]
+    return []
 
 
 def propose(view: View) -> list[Proposal]:
@@ -116,4 +138,8 @@ def propose(view: View) -> list[Proposal]:
             out += _overload(view, s)
         elif s.name == WAN_DEGRADATION and not any(p.change.target == RELAY_CAP for p in out):
             out += _wan(view, s)
+        elif s.name == GAP_BREACH:
+            out += _gap(view, s)
+        elif s.name == RETURN_TO_INTENT and s.subject.startswith("handoff."):
+            out += view.restore(NAME, s, ("relays run as long as configured again", "relays end as configured again: RLD is freed sooner"))
     return out

@@ -38,7 +38,7 @@ def rules(config: PDDConfig, app_name: str = APP_NAME) -> dict[str, Any]:
             hold,
             "warning",
             f"worst inter-token gap {pct} above {slo.max_gap_ms:g} ms",
-            "wan_degradation",
+            "gap_slo_breach",
         ),
         _alert(
             "PDDKVTransferFailures",

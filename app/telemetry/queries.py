@@ -73,6 +73,13 @@ class QuerySet:
     def _mean(self, spec: MetricSpec, by: str) -> str:
         return f"sum by ({by}) ({self._rate(spec, '_sum')}) / sum by ({by}) ({self._rate(spec, '_count')})"
 
+    def _signed_mean(self, spec: MetricSpec, by: str) -> str:
+        """Mean of a histogram of |error| by `direction` (under: +, over: -); a direction with no
+        series counts 0."""
+        count = f"sum by ({by}) ({self._rate(spec, '_count')})"
+        under, over = (f"(sum by ({by}) ({self._rate(spec, '_sum', direction=d)}) or {count} * 0)" for d in ("under", "over"))
+        return f"({under} - {over}) / {count}"
+
     def all(self) -> list[Query]:
         q, r = self.q, self._rate
         return [
@@ -94,6 +101,7 @@ class QuerySet:
             Query("kv_seconds_mean_by_link", self._mean(m.KV_SECONDS, "link"), "link"),
             Query("kv_seconds_p90_by_link", self._quantile(0.9, m.KV_SECONDS, "link"), "link"),
             Query("kv_slowdown_mean_by_link", self._mean(m.KV_SLOWDOWN, "link"), "link"),
+            Query("gap_error_mean_by_link", self._signed_mean(m.GAP_ERROR, "link"), "link"),
             Query(
                 "kv_bytes_per_transfer_by_link",
                 f"sum by (link) ({r(m.KV_BYTES)}) / sum by (link) ({r(m.KV_SECONDS, '_count')})",

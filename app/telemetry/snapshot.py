@@ -47,6 +47,9 @@ class Snapshot(BaseModel):
     kv_seconds_p90_by_link: dict[str, float] = {}
     kv_slowdown_mean_by_link: dict[str, float] = {}
     """Mean of each WAN pull's time / what the configured link needs for it beside the pulls sharing it."""
+    gap_error_mean_by_link: dict[str, float] = {}
+    """Mean of each P-MD turn's gap (P's first token to MD's) less the gap routing predicted for it,
+    seconds (from the histogram's two directions): above 0 the prediction misses part of the stall."""
     kv_bytes_per_transfer_by_link: dict[str, float] = {}
     kv_transfer_rate_by_link: dict[str, float] = {}
     kv_failure_rate_by_link: dict[str, float] = {}

@@ -78,6 +78,8 @@ class Levels:
     """(hit ratio, weight) of MD's per-request prefix hits."""
     kv: dict[str, tuple[float, float, float, float]] = field(default_factory=lambda: {WAN: (5.0, 0.06, 100_000.0, 0.0), LAN: (1.0, 0.01, 2_000_000.0, 0.0)})
     """link -> (pulls/s, seconds per pull, bytes per pull, failed share)."""
+    gap_error: dict[str, float] = field(default_factory=lambda: {WAN: 0.02})
+    """link -> each P-MD turn's gap less the gap routing predicted for it, seconds (one per P-MD request)."""
     leases_gone: dict[str, float] = field(default_factory=dict)
     """link -> share of pulls that found their lease expired (failures with reason LeaseGone)."""
     relay_tokens: float = 40.0
@@ -93,7 +95,8 @@ class Levels:
 
 HEALTHY = Levels()
 SCENARIOS: dict[str, Levels] = {
-    "rld_overload": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "RelayDecode": 60.0}, relay_tokens=400.0),
+    # 0.875 busy: past rld_overload's 0.85, short of routing.max_relay_load (0.9), where with P-MD gaps to spare it is relay_saturated
+    "rld_overload": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "RelayDecode": 56.0}, relay_tokens=400.0),
     "md_hit_behind": replace(HEALTHY, hit={"prefill": 0.9, "main_decode": 0.6}, singular_rps=0.2),
     "wan_degradation": replace(HEALTHY, kv={**HEALTHY.kv, WAN: (5.0, 0.6, 100_000.0, 0.0)}, gap_s={"P-MD": 2.0, "P-RLD-MD": 0.2}),
     "bathtub_valley": replace(HEALTHY, md_hit=[(0.5, 0.5), (0.95, 0.5)], gap_s={"P-MD": 1.5, "P-RLD-MD": 0.2}),
@@ -103,6 +106,10 @@ SCENARIOS: dict[str, Levels] = {
     "wan_saturated": replace(HEALTHY, leases_gone={WAN: 0.1}),
     "replica_crash": replace(HEALTHY, replicas={**HEALTHY.replicas, "MainDecode": (2, 1)}, health_failures_rps={"MainDecode": 0.2}),
     "over_provisioned": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "MainDecode": 10.0}),
+    # a link as configured, P-MD's gaps 1.5 s against the 1 s target, the prediction 0.4 s short: the threshold is too high
+    "gap_slo_breach": replace(HEALTHY, gap_s={"P-MD": 1.5, "P-RLD-MD": 0.2}, violations={"gap": 4.0}, gap_error={WAN: 0.4}),
+    # RLD at routing.max_relay_load (60 of 64) while P-MD's gaps are a quarter of the target: the threshold is too low
+    "relay_saturated": replace(HEALTHY, ongoing={**HEALTHY.ongoing, "RelayDecode": 60.0}),
     "prefill_relaying": replace(
         HEALTHY,
         rps={"P-MD": 4.0, "P-P-MD": 1.0},
@@ -182,6 +189,9 @@ class ScriptedExporter:
             self._add(("kv_bytes", link), n * nbytes)
             self._add(("kv_fail", link), n * failed)
             self._add(("kv_gone", link), n * lv.leases_gone.get(link, 0.0))
+        turns = lv.rps.get("P-MD", 0.0) * dt
+        for link, err in lv.gap_error.items():  # exported as |error| by direction, as the conductor does
+            self._add(("gap_error", link, "under" if err > 0 else "over", abs(err)), turns, turns * abs(err))
         relayed = lv.rps.get("P-RLD-MD", 0.0) * dt
         self._add(("relay", lv.relay_tokens), relayed, relayed * lv.relay_tokens)
         self._add(("singular",), lv.singular_rps * dt)
@@ -234,6 +244,9 @@ class ScriptedExporter:
                 fam.add_metric([link, "TimeoutError"], c.get(("kv_fail", link), 0.0))
                 fam.add_metric([link, m.KV_LEASE_GONE], c.get(("kv_gone", link), 0.0))
             yield fam
+            for link, err in lv.gap_error.items():
+                direction = "under" if err > 0 else "over"
+                yield self._hist(m.GAP_ERROR, "gap_error", {"link": link, "direction": direction}, (link, direction))
             yield self._hist(m.RELAY_TOKENS, "relay", {}, ())
             fam = CounterMetricFamily(_counter_name(m.SINGULAR), m.SINGULAR.description)
             fam.add_metric([], c.get(("singular",), 0.0))

@@ -28,13 +28,23 @@ from agents.entries import read_entry
 from agents.knobs import get_knob, knob_bounds
 from agents.router import RuleRouter
 from agents.runner import Swarm
-from app.config import LiveKnobs, RoleName
+from app.config import LiveKnobs, PDDConfig, RoleName
 from app.ray_private import dashboard_auth_headers
 from app.telemetry.metrics import prom_name
 from app.telemetry.prometheus import binary
 from app.telemetry.queries import SERVE_PROCESSING, SERVE_REPLICA_HEALTHY, SERVE_TARGET_REPLICAS
 from app.telemetry.snapshot import StaticSource
-from tests.integration.agents_fixtures import HEALTHY, RELAY_OUTAGE_TTFT, SCENARIOS, WAN, LabelledPrometheus, ScriptedExporter, healthy_snapshot, pdd_config
+from tests.integration.agents_fixtures import (
+    HEALTHY,
+    RELAY_OUTAGE_TTFT,
+    SCENARIOS,
+    WAN,
+    LabelledPrometheus,
+    ScriptedExporter,
+    healthy_snapshot,
+    pdd_args,
+    pdd_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(binary() is None, reason="prometheus binary not installed")]
 
@@ -54,6 +64,8 @@ EXPECTED = {
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
     "prefill_relaying": [],  # asks for no change by itself
+    "gap_slo_breach": [("routing", "routing.max_wan_transfer_ms", 300.0, 100.0)],
+    "relay_saturated": [("routing", "routing.max_wan_transfer_ms", 300.0, 500.0)],
 }
 
 
@@ -86,8 +98,9 @@ def prometheus(tmp_path_factory):
             e.stop()
 
 
-def scenario_swarm(tmp_path, prom, scenario, mode="act", actuator=None, **agents):
-    config = pdd_config(
+def scenario_swarm(tmp_path, prom, scenario, mode="act", actuator=None, routing=None, **agents):
+    """The swarm on one scenario's series; `routing`: the config file's routing knobs (its intent)."""
+    args = pdd_args(
         mode=mode,
         prometheus_url=prom.url,
         prometheus_matchers={"scenario": scenario},
@@ -95,6 +108,9 @@ def scenario_swarm(tmp_path, prom, scenario, mode="act", actuator=None, **agents
         actions_dir=str(tmp_path / "actions"),
         **agents,
     )
+    if routing is not None:
+        args["routing"] = routing
+    config = PDDConfig.model_validate(args)
     actuator = actuator or DryRunActuator(config.live_knobs(), REPLICAS)
     return config, actuator, Swarm.open(config, actuator=actuator, router=RuleRouter())
 
@@ -150,6 +166,48 @@ def test_a_ttft_breach_while_prefill_relays_files_a_notice_not_a_prefill_replica
     assert accepted["notice.ttft_slo_breach"]["reason"].startswith("no relay decoder alive: prefill relays (P-P-MD), 20% of")
     assert "notice.replica_crash:RelayDecode" in accepted
     assert not [t for t in accepted if t.startswith("replicas.")] and actuator.calls == []
+
+
+def test_gap_breach_on_a_healthy_link_lowers_a_threshold_set_too_high(prometheus, tmp_path):
+    """The operator's mistake is in the file (every turn P-MD, however much MD lacks): the gap target is
+    breached on a link that runs as its model says, and the agents bring the threshold down."""
+    prom, _ = prometheus
+    config, actuator, opened = scenario_swarm(tmp_path, prom, "gap_slo_breach", routing={"max_wan_transfer_ms": 5000.0})
+    with opened as swarm:
+        state = swarm.tick()
+    assert not state.get("error"), state.get("error")
+    [situation] = state["situations"]
+    assert (situation["name"], situation["subject"]) == ("gap_slo_breach", "P-MD")
+    assert "routing.max_wan_transfer_ms 5000 ms is too high for the gap" in situation["summary"]
+    assert "the gap prediction misses 400 ms a turn" in situation["summary"]
+    assert [(c["target"], c["old"], c["new"]) for c in state["applied"]] == [("routing.max_wan_transfer_ms", 5000.0, pytest.approx(4800.0))]
+    assert actuator.knobs.routing.max_wan_transfer_ms == pytest.approx(4800.0) and actuator.replicas == REPLICAS
+    [entry] = filed(tmp_path)
+    assert (entry["situation"], entry["subject"], entry["specialist"]) == ("gap_slo_breach", "P-MD", "routing")
+    error = next(e for e in entry["evidence"] if "ray_pdd_gap_prediction_error_seconds_sum" in e["query"])
+    assert error["value"] == pytest.approx(0.4, rel=0.05)
+    link = next(e for e in entry["evidence"] if "pull time / the link model's" in e.get("note", ""))
+    assert link["value"] == pytest.approx(1.0, abs=0.1)  # the link runs as configured: not wan_degradation
+    assert config.routing.max_wan_transfer_ms == 5000.0  # the intent stays the file's: the return waits for room
+
+
+def test_relay_saturated_with_p_md_gaps_to_spare_raises_a_threshold_set_too_low(prometheus, tmp_path):
+    """RLD at routing.max_relay_load with P-MD's gaps a quarter of the target: the threshold goes up
+    (routing's remedy), not a relay replica or shorter relays (rld_overload's, on the same load)."""
+    prom, _ = prometheus
+    _, actuator, opened = scenario_swarm(tmp_path, prom, "relay_saturated", routing={"max_wan_transfer_ms": 100.0})
+    with opened as swarm:
+        state = swarm.tick()
+    assert not state.get("error"), state.get("error")
+    assert [s["name"] for s in state["situations"]] == ["relay_saturated"]
+    assert [(c["target"], c["old"], c["new"]) for c in state["applied"]] == [("routing.max_wan_transfer_ms", 100.0, pytest.approx(300.0))]
+    assert actuator.replicas == REPLICAS and actuator.knobs.handoff.relay_cap_tokens == 512
+    [entry] = filed(tmp_path)
+    assert (entry["situation"], entry["specialist"]) == ("relay_saturated", "routing")
+    gap = next(e for e in entry["evidence"] if "ray_pdd_max_gap_seconds_bucket" in e["query"])
+    assert gap["value"] < 0.5 * 1.0  # P-MD worst-gap p99 under half the 1 s target
+    load = next(e for e in entry["evidence"] if e.get("note", "").startswith("RLD load"))
+    assert load["value"] >= load["threshold"] == pytest.approx(0.9)
 
 
 def test_healthy_cluster_changes_nothing(prometheus, tmp_path):

@@ -27,7 +27,7 @@ from tests.integration.agents_fixtures import WAN, healthy_snapshot, pdd_args, p
 T0 = 10_000.0
 REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
 TTFT_BREACH = dict(ttft_p=4.75, ttft_p_by_pipeline={"P-MD": 4.75, "P-RLD-MD": 4.75})
-RLD_OVERLOAD = dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 60.0, "MainDecode": 80.0})
+RLD_OVERLOAD = dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 56.0, "MainDecode": 80.0})
 
 
 class FakeToolChatModel(FakeMessagesListChatModel):

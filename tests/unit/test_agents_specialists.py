@@ -8,6 +8,7 @@ import pytest
 
 from agents import figures as f
 from agents.diagnose import diagnose
+from agents.knobs import with_knobs
 from agents.memory import Memory
 from agents.situations import SITUATIONS
 from agents.specialists import ALL, PROPOSERS
@@ -20,7 +21,8 @@ REPLICAS = {"prefill": 1, "relay_decode": 1, "main_decode": 2}
 
 #: Situation -> snapshot fields that produce it (over the healthy snapshot).
 CASES = {
-    "rld_overload": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 60.0, "MainDecode": 80.0}),
+    # 0.875 busy: past rld_overload's 0.85, short of routing.max_relay_load (0.9), where with P-MD gaps to spare it is relay_saturated
+    "rld_overload": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 56.0, "MainDecode": 80.0}),
     "md_hit_behind": dict(prefix_hit_by_role={"prefill": 0.9, "main_decode": 0.6}, singular_rate=0.2),
     "wan_degradation": dict(kv_seconds_mean_by_link={WAN: 0.6}, kv_seconds_p90_by_link={WAN: 0.95}, gap_p99=1.9),
     "bathtub_valley": dict(md_hit_buckets={"0.2": 0.0, "0.5": 2.5, "0.8": 2.5, "0.95": 5.0, "+Inf": 5.0}, gap_p99_by_pipeline={"P-MD": 2.4, "P-RLD-MD": 0.25}),
@@ -33,7 +35,12 @@ CASES = {
     ),
     "over_provisioned": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 20.0, "MainDecode": 10.0}),
     "prefill_relaying": dict(request_rate_by_pipeline={"P-MD": 4.0, "P-P-MD": 1.0}),
+    "gap_slo_breach": dict(gap_p=1.6, gap_p99_by_pipeline={"P-MD": 2.4, "P-RLD-MD": 0.25}, gap_error_mean_by_link={WAN: 0.35}),
+    "relay_saturated": dict(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 60.0, "MainDecode": 80.0}),
+    "return_to_intent": {},  # with KNOBS' threshold, below the configured 300 ms
 }
+#: Situation -> live knobs (over the config's) its case needs.
+KNOBS = {"return_to_intent": {"routing.max_wan_transfer_ms": 100.0}}
 
 #: Situation -> (specialist, target, old, new) it must propose under the default knobs.
 EXPECTED = {
@@ -48,7 +55,14 @@ EXPECTED = {
     "replica_crash": [("clerk", "notice.replica_crash:MainDecode", None, None)],
     "over_provisioned": [("capacity", "replicas.main_decode", 2, 1)],
     "prefill_relaying": [],  # asks for no change by itself
+    "gap_slo_breach": [("routing", "routing.max_wan_transfer_ms", 300.0, 100.0)],
+    "relay_saturated": [("routing", "routing.max_wan_transfer_ms", 300.0, 500.0)],
+    "return_to_intent": [("routing", "routing.max_wan_transfer_ms", 100.0, 300.0)],
 }
+
+
+def knobs_for(name):
+    return with_knobs(pdd_config().live_knobs(), KNOBS.get(name, {}))
 
 
 def situations_of(snap, knobs=None, memory=None, config=None):
@@ -90,7 +104,7 @@ def test_every_situation_has_a_case_and_a_runbook():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_situation_is_named_with_evidence(name):
-    found = situations_of(healthy_snapshot(**CASES[name]))
+    found = situations_of(healthy_snapshot(**CASES[name]), knobs=knobs_for(name))
     assert [s.name for s in found] == [name]
     assert all(e.query for e in found[0].evidence)
     assert any(e.value is not None for e in found[0].evidence)
@@ -98,7 +112,7 @@ def test_situation_is_named_with_evidence(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_right_specialist_proposes_right_change(name):
-    proposals = propose_all(healthy_snapshot(**CASES[name]))
+    proposals = propose_all(healthy_snapshot(**CASES[name]), knobs=knobs_for(name))
     got = [(p.specialist, p.change.target, p.change.old, p.change.new) for p in proposals]
     for specialist, target, old, new in EXPECTED[name]:
         match = [g for g in got if g[0] == specialist and g[1] == target]
@@ -122,7 +136,7 @@ def test_wan_recovery_restores_the_intent():
     config = pdd_config()
     knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "routing": {**config.routing.model_dump(), "max_wan_transfer_ms": 100.0}})
     [s] = situations_of(healthy_snapshot(), knobs=knobs)
-    assert (s.name, s.subject, s.severity) == ("wan_degradation", "recovered", 0)
+    assert (s.name, s.subject, s.severity) == ("return_to_intent", "routing.max_wan_transfer_ms", 0)
     [p] = propose_all(healthy_snapshot(), knobs=knobs)
     assert (p.change.target, p.change.old, p.change.new) == ("routing.max_wan_transfer_ms", 100.0, 300.0)
 
@@ -374,6 +388,6 @@ def test_relay_cap_goes_back_up_once_rld_has_headroom():
     knobs = LiveKnobs.model_validate({**config.live_knobs().model_dump(), "handoff": {"relay_cap_tokens": 128}})
     snap = healthy_snapshot(ongoing_by_deployment={"Prefill": 30.0, "RelayDecode": 10.0, "MainDecode": 80.0})
     [s] = situations_of(snap, knobs=knobs)
-    assert (s.name, s.subject, s.severity) == ("rld_overload", "recovered", 0)
+    assert (s.name, s.subject, s.severity) == ("return_to_intent", "handoff.relay_cap_tokens", 0)
     [p] = propose_all(snap, knobs=knobs)
     assert (p.specialist, p.change.target, p.change.old, p.change.new) == ("handoff", "handoff.relay_cap_tokens", 128, 384)

@@ -132,7 +132,7 @@ async def test_knob_answer_gives_meaning_live_value_and_bounds(config):
 
     text = answer(await converse(rules_for(config, Moved()), "what does routing.max_wan_transfer_ms do?"))
     bounds = config.agents.bounds["routing.max_wan_transfer_ms"]
-    assert f"- routing.max_wan_transfer_ms: live 450, config {config.routing.max_wan_transfer_ms:g}. P-MD when the expected WAN transfer" in text
+    assert f"- routing.max_wan_transfer_ms: live 450, config {config.routing.max_wan_transfer_ms:g}. P-MD when the gap it is predicted to cause" in text
     assert f"within {bounds.min:g}..{bounds.max:g}, at most {bounds.max_step:g} a step" in text
     changed = answer(await converse(rules_for(config, Moved()), "what changed in the last 10 minutes?"))
     assert f"routing.max_wan_transfer_ms 450 (config {config.routing.max_wan_transfer_ms:g})" in changed
