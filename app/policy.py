@@ -6,8 +6,9 @@ twin predicts is what the cluster does.
 
 Rules (docs/design.md):
 - P-MD when the gap it causes is short enough: MD's pull of what it lacks,
-  behind the WAN's backlog, then MD's wait for a step and its extend step, as
-  finished journeys correct that prediction (`GapCorrection`); P-RLD-MD
+  behind the WAN's backlog, then MD's wait for a step and its extend step, and
+  its first token's way back, as finished journeys correct that prediction
+  (`GapCorrection`); P-RLD-MD
   otherwise, so a relay decoder in A masks the gap.
 - P-RLD (ending at RLD) is never chosen, except by the singular-traffic filter
   (ultra-long, low-hit input with a tiny output) and while the WAN is down,
@@ -87,7 +88,10 @@ class RouteDecision:
     md_hit_rate: float
     reason: str
     predicted_gap_ms: float = 0.0
-    """The gap P-MD would cause (`predicted_gap_ms`), whichever pipeline was chosen."""
+    """The gap P-MD would cause, whichever pipeline was chosen (`uncorrected_gap_ms` and the
+    correction; never negative)."""
+    uncorrected_gap_ms: float = 0.0
+    """The pull, MD's wait and its first token's way back over the WAN: what a turn's gap corrects."""
 
 
 @dataclass
@@ -172,11 +176,6 @@ def decoder_wait_ms(step_ms: float, running: int, batch_limit: int) -> float:
     return step_ms * (2 + ahead)
 
 
-def predicted_gap_ms(wan_ms: float, md_wait_ms: float, correction_ms: float) -> float:
-    """The gap from P's first token to MD's: the pull, MD's wait, the correction; never negative."""
-    return max(0.0, wan_ms + md_wait_ms + correction_ms)
-
-
 #: `GapCorrection` defaults: each journey moves the correction a quarter of the way to its error,
 #: an idle correction halves every two minutes, and it never exceeds two seconds either way.
 GAP_CORRECTION_GAIN = 0.25
@@ -234,11 +233,12 @@ def is_singular(req: RequestFacts, hit_rate: float, routing: RoutingConfig) -> b
 def choose_pipeline(req: RequestFacts, cluster: ClusterFacts, routing: RoutingConfig) -> RouteDecision:
     blocks = blocks_missing(req.prompt_tokens, req.md_cached_tokens, cluster.block_size)
     wan_ms = expected_transfer_ms(blocks, cluster.kv_bytes_per_block, cluster.wan, cluster.wan_backlog_bytes)
-    gap_ms = predicted_gap_ms(wan_ms, cluster.md_wait_ms, cluster.gap_correction_ms)
+    uncorrected = wan_ms + cluster.md_wait_ms + cluster.wan.rtt_s * 500  # MD's first token crosses back: half a round trip
+    gap_ms = max(0.0, uncorrected + cluster.gap_correction_ms)
     hit = min(req.md_cached_tokens, req.prompt_tokens) / req.prompt_tokens if req.prompt_tokens else 1.0
 
     def decide(pipeline: Pipeline, reason: str) -> RouteDecision:
-        return RouteDecision(pipeline, blocks, wan_ms, hit, reason, gap_ms)
+        return RouteDecision(pipeline, blocks, wan_ms, hit, reason, gap_ms, uncorrected)
 
     if not (cluster.wan_up and cluster.md_available) and cluster.rld_available:
         why = "WAN down" if not cluster.wan_up else "no main decoder alive"

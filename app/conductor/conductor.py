@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from app.conductor.baselines import colocated, disaggregated
 from app.conductor.engine_client import EngineClient
 from app.conductor.engine_ops import EngineOps
+from app.conductor.gaps import GapModel
 from app.conductor.generation import EngineError, GenerationRequest, Output, PrefillUnavailable, RequestTimeout, Tokens
 from app.conductor.index_store import IndexStore
 from app.conductor.journal import Journal, Journey, slo_summary
@@ -210,9 +211,10 @@ class Conductor:
         await self.placement.keeper.save(self.placement.index)
 
     async def reset_prefix_caches(self) -> None:
-        """Cold caches everywhere (benchmarks compare modes from the same start)."""
+        """Cold caches everywhere, and routing's gap model as new (benchmarks compare modes from the same start)."""
         await self.engines.reset_prefix_caches()
         await self.placement.forget_all()
+        self.ops.gaps = GapModel()
 
     async def forget_saved_index(self) -> None:
         """The next conductor starts from an empty prefix index (IndexKeeper.forget)."""

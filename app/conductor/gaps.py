@@ -1,8 +1,8 @@
 """Routing's model of the gap a P-MD turn causes: MD's side of it, and its correction.
 
-`choose_pipeline` predicts the gap from P's first token to MD's as the WAN pull plus MD's
-wait (`policy.decoder_wait_ms`) plus a correction that finished turns teach
-(`policy.GapCorrection`). This module keeps what those need between requests: each
+`choose_pipeline` predicts the gap from P's first token to MD's as the WAN pull, MD's
+wait (`policy.decoder_wait_ms`) and its token's way back, plus a correction that
+finished turns teach (`policy.GapCorrection`). This module keeps what those need between requests: each
 decoder replica's recent step time, read from the tokens its streams deliver, and the
 corrections, keyed by link and MD replica.
 """

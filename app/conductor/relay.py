@@ -122,7 +122,7 @@ async def pdd_pipeline(ops: EngineOps, req: GenerationRequest, journey: Journey)
         assert md is not None
         await ops.placement.await_warm(pending)
         stream = ops.continue_on(RoleName.main_decode, md, req, journey, first, lease, keys, expected_bytes=wan_bytes)
-        stream = ops.gaps.timed(stream, journey, first_sent, wan, md.replica_id, decision.expected_wan_ms + md_wait)
+        stream = ops.gaps.timed(stream, journey, first_sent, wan, md.replica_id, decision.uncorrected_gap_ms)
     elif decision.pipeline is Pipeline.p_rld:
         if md is not None:  # singular, or WAN down: MD never sees this request
             ops.placement.unroute(md, keys)

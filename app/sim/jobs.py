@@ -1,12 +1,17 @@
-"""The conductor's bookkeeping: one conversation (`Session`), one request (`Job`)."""
+"""The conductor's bookkeeping: one conversation (`Session`), one request (`Job`), the gaps
+routing predicts (`Gaps`)."""
 
 from __future__ import annotations
 
-from app.policy import Pipeline, RelayMachine
+from collections.abc import Iterable
+
+import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
+
+from app.policy import GapCorrection, Pipeline, RelayMachine, decoder_wait_ms
 from app.sim.engine import Instance
 from app.sim.pending import Warm
 from app.sim.routing import Conversation, KeyChain
-from app.sim.work import Lease, Seq
+from app.sim.work import WAITING, Lease, Seq
 from app.sim.workload import Request
 
 
@@ -52,6 +57,7 @@ class Job:
         "wan",
         "wan_planned",
         "wan_place",
+        "gap_predicted",
         "t_prev",
         "off",
         "after",
@@ -96,6 +102,8 @@ class Job:
         """KV bytes routing expected MD to pull over the WAN (what joins the link's backlog)."""
         self.wan_place = 0.0
         """That pull's place in the link's backlog, to settle what it did not move."""
+        self.gap_predicted = 0.0
+        """P-MD: the gap routing predicted (ms) without its correction, which the gap seen corrects."""
         self.t_prev = -1.0
         """Client time of the token before the decode in progress (for its first gap)."""
         self.off = 0.0
@@ -108,3 +116,61 @@ class Job:
         """MD catching up on the turn the relay finished, while it runs."""
         self.row = -1
         """Its row in the run's Results once finished."""
+
+
+class Gaps:
+    """The conductor's model of the gap a P-MD turn causes (app/conductor/gaps.py `GapModel`), as the twin holds it.
+
+    MD's wait (`policy.decoder_wait_ms`) takes MD's decode step now: its running batch (a lone sequence's when
+    idle), by its model, on its host as busy as it is; the conductor reads that interval off MD's streams. The
+    run's `GapCorrection` is keyed by the WAN's name and MD's. A P-MD turn's MD sequence (`watch`) corrects it
+    when MD's first token reaches the conductor: that token has no event of its own here, its time is known once
+    MD plans the step that makes it, so each routing first applies the turns seen by then, in order, each at its
+    time; routing alone reads the correction, so it sees what the conductor would have."""
+
+    __slots__ = ("correction", "keys", "pending", "ow")
+
+    def __init__(self, wan: str, mds: Iterable[str], ow: float):
+        self.correction = GapCorrection()
+        self.keys = {md: f"{wan}|{md}" for md in mds}
+        self.pending: list[Seq] = []
+        """P-MD turns' MD sequences whose first token has not corrected the prediction yet."""
+        self.ow = ow
+        """One-way latency of MD's tokens to the conductor."""
+
+    @cython.locals(md=Instance)
+    def md_wait_ms(self, md: Instance) -> float:
+        p0, _, q0, _ = md.perf.decode_lines(md.n or 1, md.kv)
+        step = p0 if p0 > q0 else q0
+        if md.host is not None:
+            step *= md._slowdown()
+        return decoder_wait_ms(step * 1000, md.streams, md.max_seqs)
+
+    def correction_ms(self, md: str, now: float) -> float:
+        if self.pending:
+            self._observe(now)
+        return self.correction.value(self.keys[md], now)
+
+    def watch(self, seq: Seq) -> None:
+        """A P-MD turn's MD sequence (`seq.owner.gap_predicted`: routing's prediction without the correction)."""
+        self.pending.append(seq)
+
+    @cython.locals(seq=Seq, job=Job)
+    def _observe(self, now: float) -> None:
+        ow = self.ow
+        ready = [seq for seq in self.pending if seq.state != WAITING and seq.t_first + ow <= now]
+        if not ready:
+            return
+        self.pending = [seq for seq in self.pending if seq.state == WAITING or seq.t_first + ow > now]
+        if len(ready) > 1:
+            ready.sort(key=_first_token_time)
+        for seq in ready:
+            job = seq.owner
+            assert job.md is not None  # P-MD
+            t = seq.t_first + ow
+            self.correction.observe(self.keys[job.md.name], job.gap_predicted, (t - job.t_first) * 1000, t)
+
+
+@cython.locals(seq=Seq)
+def _first_token_time(seq: Seq) -> float:
+    return seq.t_first

@@ -22,12 +22,15 @@ MD is routed first, then the pipeline chosen, then P routed.
 - P-RLD (singular filter; WAN down; no main decoder alive): RLD decodes
   everything. Outages (`Outage`) set those facts for requests routed
   during them; a transfer cannot start on a down link until it is back.
+
+P-MD's gap is predicted as the conductor does (`Gaps`, app/sim/jobs.py): the
+pull, MD's wait, its token's way back, and the correction earlier P-MD turns'
+gaps taught.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
@@ -44,7 +47,7 @@ from app.policy import (
     choose_pipeline,
 )
 from app.sim.engine import Instance
-from app.sim.jobs import Job
+from app.sim.jobs import Gaps, Job
 from app.sim.work import WAITING, PrefillJob, Seq
 
 P_MD, P_RLD_MD, P_RLD, P_P_MD, P_D_NAIVE, P_D_CROSS = Pipeline.p_md, Pipeline.p_rld_md, Pipeline.p_rld, Pipeline.p_p_md, Pipeline.p_d_naive, Pipeline.p_d_cross
@@ -81,6 +84,7 @@ if TYPE_CHECKING:
         index: RunIndex
         results: Results
         _cluster_facts: dict[tuple[float, bool, bool, bool], ClusterFacts]
+        gaps: Gaps | None
 
         # Twin's steps every mode shares
         def _down(self, kind: str) -> bool: ...
@@ -124,28 +128,33 @@ class PDDPipelines:
     @cython.locals(job=Job)
     def _pdd(self: PipelineHost, job: Job) -> None:
         req = job.req
+        now = self.loop.now
+        gaps = self.gaps
+        assert gaps is not None and self.wan_facts is not None and self.wan_backlog is not None  # the pdd mode's P and MD: a WAN between them
         md, md_cached = None, 0
+        md_wait = correction = 0.0
         if not self._down("main_decode"):  # Placement.route raises when no main decoder is alive
             md, md_cached = self._route(RoleName.main_decode, job.keys)
             # a previous turn's MD work still running there: count its blocks, wait for it
             job.after, covered = self.pending.covering(md.name, job.keys)
             md_cached = max(md_cached, covered * self.block)
+            md_wait, correction = gaps.md_wait_ms(md), gaps.correction_ms(md.name, now)
         job.md = md
         # relay.rld_load: the least loaded relay decoder and its occupancy
         rld = min(self.R, key=self._streams) if self.R and not self._down("relay_decode") else None
         load = rld.streams / rld.max_seqs if rld is not None else 1.0
         key = (load, rld is not None, not self._down("wan"), md is not None)
-        facts = self._cluster_facts.get(key)
-        assert self.wan_facts is not None and self.wan_backlog is not None  # the pdd mode's P and MD: a WAN between them
-        if facts is None:  # frozen, and few distinct values: built once each
-            facts = self._cluster_facts[key] = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key)
-        queued = self.wan_backlog.queued(self.loop.now)
-        if queued:
-            facts = replace(facts, wan_backlog_bytes=queued)
+        queued = self.wan_backlog.queued(now)
+        if queued or md_wait or correction:  # this request's own facts: built whole, cheaper than replacing fields
+            facts = ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key, wan_backlog_bytes=queued, md_wait_ms=md_wait, gap_correction_ms=correction)
+        else:  # frozen, and few distinct values: built once each
+            facts = self._cluster_facts.get(key) or self._cluster_facts.setdefault(key, ClusterFacts(self.block_bytes, self.block, self.wan_facts, *key))
         decision = choose_pipeline(RequestFacts(req.prompt_tokens, req.output_tokens, md_cached), facts, self.routing)
         job.pipe = pipe = decision.pipeline
         job.wan_planned = decision.blocks_to_send * self.block_bytes
-        if pipe is P_RLD_MD or pipe is P_RLD:
+        if pipe is P_MD:  # what its gap corrects: the prediction without the correction (GapModel.timed)
+            job.gap_predicted = decision.uncorrected_gap_ms
+        elif pipe is P_RLD_MD or pipe is P_RLD:
             assert rld is not None  # chosen only with a relay decoder alive
             self._relay_on(job, rld, load)
         self._start_prefill(job, self._pdd_first)
@@ -279,8 +288,10 @@ class PDDPipelines:
         moved = blocks_missing(req.prompt_tokens, job.dl.hit, self.block) * self.block_bytes
         if moved < job.wan_planned:
             self.wan_backlog.settle(job.wan_place, job.wan_planned, moved, self.loop.now)
-        if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands
-            self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow, pulled=True)
+        if job.pipe is P_MD:  # MD's request decodes as soon as its pull lands; its first token corrects the gap prediction
+            seq = self._decode(job, job.d, req.prompt_tokens + 1, req.output_tokens - 1, job.t_first, self.ow, pulled=True)
+            assert self.gaps is not None  # the pdd mode's
+            self.gaps.watch(seq)
             return
         # the warm request: MD computes the first token's KV (its own sampled token is discarded)
         job.d.submit_prefill(PrefillJob(job, 1, req.prompt_tokens, req.prompt_tokens + 1, job.dl, self._md_step_done))

@@ -61,12 +61,13 @@ from typing import TYPE_CHECKING
 import cython  # Cython's pure-Python shim: the type hints below only matter to the compiled build (app/native.py)
 
 from app.config import Mode, PDDConfig, RoleName
+from app.engine.kv.link import direction_name
 from app.policy import ClusterFacts, LinkBacklog, LinkFacts, affinity_room
 from app.sim.baselines import BaselinePipelines
 from app.sim.cluster import PerfArg, SimCluster, build_cluster, entry_role, model_spec, role_config
 from app.sim.engine import Instance
 from app.sim.events import Loop
-from app.sim.jobs import Job, Session
+from app.sim.jobs import Gaps, Job, Session
 from app.sim.network import Link, PullSlots
 from app.sim.outages import Outage, Outages
 from app.sim.pdd import P_D_CROSS, P_D_NAIVE, P_P_MD, P_RLD_MD
@@ -123,6 +124,8 @@ class Twin(BaselinePipelines):
         self.ow = self.wan.model.config.rtt_ms / 2000 if self.wan and self.wan.wan else 0.0
         self.wan_facts = LinkFacts(self.wan.bw, self.wan.model.config.rtt_ms / 1000) if self.wan else None
         self.wan_backlog = LinkBacklog(self.wan.bw) if self.wan else None
+        # the conductor's gap model (relay.pdd_pipeline), by the WAN's name and MD replicas'
+        self.gaps = Gaps(direction_name(client, dc[RoleName.main_decode]), [inst.name for inst in self.M], self.ow) if self.wan else None
         self.pending = PendingMDWork(self.loop, config.kv.transfer_timeout_s)
         entry = pools[entry_role(self.mode)][0]
         self.serving_overhead_s = getattr(entry.perf, "serving_overhead_ms", 0.0) / 1000

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from app.config import HandoffConfig, HandoffMode, RoutingConfig, SingularFilterConfig
 from app.policy import (
     AUTO_ONE_SHOT_LOAD,
-    MAX_CATCH_UP_ROUNDS,
     GAP_CORRECTION_MAX_MS,
+    MAX_CATCH_UP_ROUNDS,
     ClusterFacts,
     GapCorrection,
     HandoffStep,
@@ -92,10 +92,10 @@ def test_a_pull_the_model_already_moved_settles_nothing_of_the_pulls_behind_it()
 
 
 def test_a_backlog_can_move_a_request_onto_the_relay():
-    req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms
-    assert choose_pipeline(req, cluster(), routing(max_wan_transfer_ms=300)).pipeline is Pipeline.p_md
+    req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms, the token back 15 ms
+    assert choose_pipeline(req, cluster(), routing(max_wan_transfer_ms=310)).pipeline is Pipeline.p_md
     behind = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, wan_backlog_bytes=BYTES_PER_BLOCK)
-    d = choose_pipeline(req, behind, routing(max_wan_transfer_ms=300))
+    d = choose_pipeline(req, behind, routing(max_wan_transfer_ms=310))
     assert d.pipeline is Pipeline.p_rld_md and d.expected_wan_ms == pytest.approx(expected_transfer_ms(11, BYTES_PER_BLOCK, WAN))
 
 
@@ -103,9 +103,9 @@ def test_mds_wait_and_the_correction_are_part_of_the_gap():
     req = RequestFacts(prompt_tokens=320, max_tokens=64, md_cached_tokens=0)  # 10 blocks: 292 ms
     busy_md = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, md_wait_ms=40.0)
     d = choose_pipeline(req, busy_md, routing(max_wan_transfer_ms=300))
-    assert d.pipeline is Pipeline.p_rld_md and d.predicted_gap_ms == pytest.approx(d.expected_wan_ms + 40)
-    assert "predicted gap 332 ms" in d.reason
-    learned_faster = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, md_wait_ms=40.0, gap_correction_ms=-50.0)
+    assert d.pipeline is Pipeline.p_rld_md and d.predicted_gap_ms == pytest.approx(d.expected_wan_ms + 40 + 15)  # + MD's token's way back
+    assert "predicted gap 347 ms" in d.reason
+    learned_faster = ClusterFacts(BYTES_PER_BLOCK, BLOCK, WAN, rld_load=0.0, md_wait_ms=40.0, gap_correction_ms=-65.0)
     assert choose_pipeline(req, learned_faster, routing(max_wan_transfer_ms=300)).pipeline is Pipeline.p_md
 
 
@@ -250,7 +250,8 @@ def test_more_cache_never_moves_a_request_onto_the_relay(facts, cl, r):
 def test_the_predicted_gap_is_never_negative_and_includes_every_part(facts, cl, r):
     d = choose_pipeline(facts, cl, r)
     assert d.predicted_gap_ms >= 0
-    assert d.predicted_gap_ms == pytest.approx(max(0.0, d.expected_wan_ms + cl.md_wait_ms + cl.gap_correction_ms))
+    assert d.uncorrected_gap_ms == pytest.approx(d.expected_wan_ms + cl.md_wait_ms + cl.wan.rtt_s * 500)
+    assert d.predicted_gap_ms == pytest.approx(max(0.0, d.uncorrected_gap_ms + cl.gap_correction_ms))
 
 
 def test_auto_mode_depends_on_relay_load():

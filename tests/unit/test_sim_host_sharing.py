@@ -8,6 +8,7 @@ from app.config import Mode, RoleName
 from app.sim.cluster import build_cluster
 from app.sim.engine import Instance
 from app.sim.events import Loop
+from app.sim.jobs import Gaps
 from app.sim.perf import FittedPerf
 from app.sim.work import Host, PrefillJob, Seq
 from tests.unit.test_sim_twin import tiny_config
@@ -62,6 +63,19 @@ def test_a_decode_epoch_is_planned_again_at_its_next_step_boundary():
     # (110 ms of slowed time = 73.3 ms alone), its last 26.7 ms alone at 1x
     assert finished["seq"] == (pytest.approx(0.135), pytest.approx(0.015))
     assert done["i1"] == pytest.approx(0.135 + (0.1 - 0.11 / 1.5))
+
+
+def test_mds_wait_is_slowed_by_its_busy_neighbors():
+    loop = Loop()
+    decode = FittedPerf(a_ms=10.0, b_ms_per_prefill_token=0.0, c_ms_per_decode_seq=0.0, d_ms_per_kv_token=0.0, neighbor_slowdown=0.5)
+    a, b = _hosted(loop, decode, STEP)
+    gaps = Gaps("x->y", [a.name], 0.0)
+    seen: list[float] = []
+    _prefill(loop, b, 0.0, {})
+    loop.at(0.05, lambda _: seen.append(gaps.md_wait_ms(a)))  # b's prefill in flight
+    loop.at(0.5, lambda _: seen.append(gaps.md_wait_ms(a)))  # b done
+    loop.run()
+    assert seen == [pytest.approx(2 * 15.0), pytest.approx(2 * 10.0)]
 
 
 def test_replicas_share_a_host_only_when_a_model_was_fitted_on_one():

@@ -13,6 +13,7 @@ from app.config import AcceleratorSpec, LinkConfig, ModelSpec, PullOrder
 from app.sim.cache import PrefixCache, merged, usable_tokens
 from app.sim.engine import Instance
 from app.sim.events import Loop
+from app.sim.jobs import Gaps
 from app.sim.network import Link, PullSlots
 from app.sim.perf import DecodeRamp, FittedPerf, Roofline, StepSample, fit_from_samples, load_perf, load_samples, roles_to_json, save_samples
 from app.sim.work import Seq
@@ -318,6 +319,27 @@ def test_a_model_pricing_a_one_token_chunk_as_a_decode_token_keeps_the_decode_st
     perf = FittedPerf(a_ms=10.0, b_ms_per_prefill_token=0.5, c_ms_per_decode_seq=0.5, d_ms_per_kv_token=0.0)
     # steps of 10.5 ms alone, 11 ms with two; b joins at 31.5 ms
     assert _first_tokens(perf, pulled=True) == _first_tokens(perf, pulled=False) == (pytest.approx(0.0425), pytest.approx(0.064))
+
+
+def test_mds_wait_is_two_decode_steps_of_its_running_batch_and_one_more_per_request_beyond_it():
+    """policy.decoder_wait_ms of MD's decode step now (the conductor reads it off MD's streams): its batch as it
+    runs, a lone sequence's when idle; and of its requests in flight (`streams`) against its batch limit."""
+    loop = Loop()
+    perf = FittedPerf(a_ms=10.0, b_ms_per_prefill_token=0.0, c_ms_per_decode_seq=1.0, d_ms_per_kv_token=0.01)
+    inst = Instance(loop, "d", perf, max_seqs=2, max_batched=512, capacity=100_000, block_size=16)
+    gaps = Gaps("a->b", ["d"], 0.0)
+    assert gaps.md_wait_ms(inst) == pytest.approx(2 * 11.0)
+    seqs = [Seq(name, ctx, 50, ctx + 50, inst.open(name, 0, (), 0), lambda seq, worst: None) for name, ctx in (("a", 100), ("b", 300))]
+    inst.submit_decode(seqs[0])
+    assert gaps.md_wait_ms(inst) == pytest.approx(2 * (10 + 1.0 + 100 * 0.01))
+    inst.submit_decode(seqs[1])  # joins at a's first step's end (12 ms), a's context one token longer
+    seen: list[float] = []
+    loop.at(0.02, lambda _: seen.append(gaps.md_wait_ms(inst)))
+    loop.run()
+    assert seen == [pytest.approx(2 * (10 + 2 * 1.0 + 401 * 0.01))]
+    for streams, steps in ((1, 2), (2, 3), (4, 5)):  # requests in flight there, the new one beyond the batch of 2 from 2 on
+        inst.streams = streams
+        assert gaps.md_wait_ms(inst) == pytest.approx(steps * 11.0)
 
 
 # ---- links -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import app.sim.baselines
 import app.sim.pdd
 import app.sim.twin
 from app.config import Mode, PDDConfig
-from app.policy import Pipeline
+from app.policy import GapCorrection, LinkFacts, Pipeline, RequestFacts, expected_transfer_ms
 from app.sim import simulate
 from app.sim.perf import FittedPerf
 from app.sim.routing import KeyChain
@@ -458,10 +458,13 @@ def test_pipeline_choices_equal_policy_on_the_same_facts(monkeypatch, raw, thres
         assert cluster.block_size == BLOCK and cluster.kv_bytes_per_block == BLOCK * KVB
         assert cluster.wan.bandwidth_bytes_per_s == pytest.approx(WAN_BPS) and cluster.wan.rtt_s == pytest.approx(RTT)
         assert real(req, cluster, routing).pipeline is decision.pipeline is rec.pipeline
+        # MD's wait is part of the gap: two steps of at least a lone sequence's (2 ms here); none without a main decoder
+        assert cluster.md_wait_ms >= 2 * decode_s(0) if cluster.md_available else cluster.md_wait_ms == 0
 
 
 def test_a_pull_on_the_wan_delays_the_next_request_as_the_conductor_counts_it():
-    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 30})  # a lone 1000-token pull: 28 ms
+    # a lone 1000-token pull: 28 ms; then MD's wait, two 2-ms steps; its token's way back, 10 ms; what a's gap taught, ~0
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 46})
     apart = simulate(config, [Request(0.0, "a", 1000, 0, 4), Request(1.0, "b", 1000, 0, 4)])
     assert [r.pipeline for r in apart.records()] == [Pipeline.p_md, Pipeline.p_md]
     # b is routed 1 ms after a's pull began: ~7 ms of it are still queued on the WAN
@@ -479,11 +482,108 @@ def test_what_a_pull_did_not_move_leaves_the_wan_backlog_when_it_lands(monkeypat
         return replace(d, blocks_to_send=d.blocks_to_send * 10) if req.max_tokens == 4 else d
 
     monkeypatch.setattr(app.sim.pdd, "choose_pipeline", overestimate_a)
-    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 30})  # a's real pull: 28 ms; its estimate: 100 ms
+    # a's real pull: 28 ms; its estimate: 100 ms; MD's wait, the token's way back and a's correction: ~14 ms more
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 46})
     pull_starts = prefill_s(1000)
     for b_after_s, b_pipeline in ((0.010, Pipeline.p_rld_md), (0.050, Pipeline.p_md)):
         run = simulate(config, [Request(0.0, "a", 1000, 0, 4), Request(pull_starts + b_after_s, "b", 1000, 0, 5)])
         assert [r.pipeline for r in run.records()] == [Pipeline.p_md, b_pipeline], b_after_s
+
+
+def _record_facts(monkeypatch) -> list[tuple[Any, Any]]:
+    """(ClusterFacts, RouteDecision) of each routing decision the twin makes, in order."""
+    calls = []
+    real = app.policy.choose_pipeline
+
+    def record(req, cluster, routing):
+        d = real(req, cluster, routing)
+        calls.append((cluster, d))
+        return d
+
+    monkeypatch.setattr(app.sim.pdd, "choose_pipeline", record)
+    return calls
+
+
+#: What a lone 1000-token prompt's pull over the tiny WAN is predicted to take: 28 ms.
+PULL_1000_MS = expected_transfer_ms(math.ceil(1000 / BLOCK), BLOCK * KVB, LinkFacts(WAN_BPS, RTT))
+
+
+@pytest.mark.parametrize(("md_step_ms", "pipeline"), [(5.0, Pipeline.p_md), (20.0, Pipeline.p_rld_md)])
+def test_mds_wait_for_its_steps_sends_a_turn_the_pull_alone_allows_to_the_relay(monkeypatch, md_step_ms, pipeline):
+    """The gap routing predicts is the conductor's: the pull, then MD's wait (policy.decoder_wait_ms, the step it is in
+    and the extend step) at MD's step time, then its token's way back. The pull alone fits the threshold either way."""
+    facts = _record_facts(monkeypatch)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": PULL_1000_MS + 30})
+    r = only(simulate(config, [Request(0.0, "s", 1000, 0, 8)], {"main_decode": FittedPerf(md_step_ms, 0, 0, 0)}))
+    ((cluster, decision),) = facts
+    assert cluster.md_wait_ms == pytest.approx(2 * md_step_ms, rel=1e-12)
+    assert decision.predicted_gap_ms == pytest.approx(PULL_1000_MS + 2 * md_step_ms + RTT * 500, rel=1e-12)
+    assert r.pipeline is pipeline
+    zero_wait = app.policy.choose_pipeline(RequestFacts(1000, 8, 0), replace(cluster, md_wait_ms=0.0), config.routing)
+    assert zero_wait.pipeline is Pipeline.p_md
+
+
+@pytest.mark.parametrize(("max_num_seqs", "b_waits_steps"), [(1, 3), (8, 2)])
+def test_a_turn_beyond_mds_batch_waits_a_step_more_for_each_request_ahead(monkeypatch, max_num_seqs, b_waits_steps):
+    """MD's requests in flight (the conductor's load) against its batch limit: a's turn still decodes on MD when b is routed."""
+    facts = _record_facts(monkeypatch)
+    config = tiny_config("pdd", roles__main_decode__engine={"max_num_seqs": max_num_seqs})
+    reqs = [Request(0.0, "a", 1000, 0, 400), Request(0.5, "b", 1000, 0, 8)]
+    run = simulate(config, reqs, {"main_decode": FittedPerf(5.0, 0, 0, 0)})
+    assert run.records()[0].ttft_s + 399 * run.records()[0].tpot_s > 0.5  # a is in flight on MD when b is routed
+    assert [c.md_wait_ms for c, _ in facts] == [pytest.approx(10.0), pytest.approx(5.0 * b_waits_steps)]
+
+
+SLOW_PULLS = {"prefill": FittedPerf(5.0, 0.01, 0, 0, kv_pull_ms=300.0)}
+"""Each pull costs the KV transport 300 ms beyond its link: gaps routing's prediction (pull + MD's wait) misses."""
+GAP_KEY = "dc-a->dc-b|main_decode-0"
+"""The conductor's key of a correction (app/conductor/gaps.py): the WAN's direction, then the MD replica."""
+
+
+def test_a_correction_learned_from_a_slow_p_md_gap_sends_later_turns_to_the_relay_until_it_decays(monkeypatch):
+    """The twin runs the conductor's GapCorrection: a P-MD turn's gap, seen when MD's first token reaches the
+    conductor (a still decodes then), against its prediction without correction; read back at routing time."""
+    facts = _record_facts(monkeypatch)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 70})
+    # a's answer is long: b is routed after a's MD token came but before a ends; c four minutes on, d after c's gap
+    reqs = [Request(0.0, "a", 1000, 0, 2000), Request(1.0, "b", 1000, 0, 8), Request(240.0, "c", 1000, 0, 8), Request(241.0, "d", 1000, 0, 8)]
+    twin = app.sim.twin.Twin(config, SLOW_PULLS)
+    a, b, c, d = twin.run(reqs).records()
+    assert a.arrival_s + a.ttft_s + a.max_gap_s < b.arrival_s < a.arrival_s + a.ttft_s + 1999 * a.tpot_s
+    (a_facts, a_decision), (b_facts, _), (c_facts, c_decision), (d_facts, _) = facts
+    assert a_facts.gap_correction_ms == 0.0 and a.pipeline is Pipeline.p_md
+    assert a.max_gap_s > 0.3  # a's gap (MD's first token) took the transport's 300 ms the prediction lacks
+    # what the conductor learns from a: its gap as seen, against pull + MD's wait, at the time MD's token came
+    expected = GapCorrection()
+    seen_at = a.arrival_s + a.ttft_s + a.max_gap_s
+    expected.observe(GAP_KEY, a_decision.uncorrected_gap_ms, a.max_gap_s * 1000, seen_at)
+    assert b_facts.gap_correction_ms == pytest.approx(expected.value(GAP_KEY, 1.0), rel=1e-9)
+    assert b_facts.gap_correction_ms > 70 - PULL_1000_MS
+    assert b.pipeline is Pipeline.p_rld_md  # the relay masks the gap the correction predicts
+    # nothing corrects it while turns go to the relay: it decays, and P-MD comes back
+    assert c_facts.gap_correction_ms == pytest.approx(expected.value(GAP_KEY, 240.0), rel=1e-9)
+    assert c.pipeline is Pipeline.p_md and c_decision.predicted_gap_ms <= 70
+    # c's slow gap teaches it again, against c's prediction without the correction c was routed with
+    expected.observe(GAP_KEY, c_decision.uncorrected_gap_ms, c.max_gap_s * 1000, c.arrival_s + c.ttft_s + c.max_gap_s)
+    assert d_facts.gap_correction_ms == pytest.approx(expected.value(GAP_KEY, 241.0), rel=1e-9)
+    assert d.pipeline is Pipeline.p_rld_md
+    assert twin.gaps.correction.value(GAP_KEY, 241.0) == pytest.approx(expected.value(GAP_KEY, 241.0), rel=1e-9)  # the conductor's key
+
+
+def test_without_the_slow_pulls_the_same_turns_all_go_p_md():
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 60})
+    reqs = [Request(0.0, "a", 1000, 0, 2000), Request(1.0, "b", 1000, 0, 8), Request(240.0, "c", 1000, 0, 8)]
+    assert [r.pipeline for r in simulate(config, reqs, {"prefill": FittedPerf(5.0, 0.01, 0, 0)}).records()] == [Pipeline.p_md] * 3
+
+
+def test_each_main_decoder_has_its_own_correction(monkeypatch):
+    """b goes to the other MD (a's still decodes): what a's slow gap taught is about a's MD, not b's."""
+    facts = _record_facts(monkeypatch)
+    config = tiny_config("pdd", routing={"max_wan_transfer_ms": 60}, roles__main_decode__replicas=2)
+    a, b = simulate(config, [Request(0.0, "a", 1000, 0, 2000), Request(1.0, "b", 1000, 0, 8)], SLOW_PULLS).records()
+    assert a.arrival_s + a.ttft_s + a.max_gap_s < b.arrival_s  # a's slow gap was seen before b was routed
+    assert [f.gap_correction_ms for f, _ in facts] == [0.0, 0.0]
+    assert a.pipeline is b.pipeline is Pipeline.p_md
 
 
 def test_tiny_config_is_valid_in_every_mode():
