@@ -1,15 +1,31 @@
-"""colocated vs pd_intra_dc vs pd_cross_dc_naive vs pdd on real engines, emulated WAN.
+"""Six systems on real engines and an emulated WAN: colocated, pd_intra_dc,
+pd_cross_dc_naive, pd_cross_dc, pdd without its relay, and pdd.
 
-One app (P + RLD in dc-a, MD in dc-b) serves the same agentic trace once per
-mode, from cold caches each time: multi-turn sessions with long contexts for
-this machine, most turns above 95% prefix hit, a low-hit tail of a few percent
-(app/sim/workload.py generates it). Each session is an agent: a turn goes out at
-its arrival time or when the previous turn's answer is complete, whichever is
-later, and its prompt repeats the conversation so far (previous prompt and the
-answer's token ids, `return_token_ids`) before the new tokens. Measured at the
-client (official openai client, streaming). Each mode's trace, with the times
-requests really went out, is written to bench/out/pipelines_trace_MODE.jsonl for
-the twin to replay (bench/sim_vs_real.py).
+Each system serves the same agentic trace from cold caches: multi-turn sessions
+with long contexts for this machine, most turns above 95% prefix hit, a
+low-hit tail of a few percent (app/sim/workload.py generates it). Each session
+is an agent: a turn goes out at its arrival time or when the previous turn's
+answer is complete, whichever is later, and its prompt repeats the
+conversation so far (previous prompt and the answer's token ids,
+`return_token_ids`) before the new tokens. Two profiles (`--profile`):
+- open: sessions arrive over time and think between turns (the trace's times);
+- closed: `--agents` agents (4) at once, each running conversations one after
+  another and sending each turn as soon as the last answer ends; outputs a mix
+  of short tool calls and long answers.
+Measured at the client (official openai client, streaming).
+
+What each system is given: every engine of this host shares its two cores, so a
+system running more engines is slower for that reason alone. Each
+disaggregated system runs three engines (pd_intra_dc: 1 P + 2 decoders in A;
+pd_cross_dc and the naive one: 1 P in A + 2 decoders in B; pdd, with or without
+relay: 1 P + 1 RLD in A, 1 MD in B) and colocated three replicas of one
+engine; the app deploys the roles a system does not use too, idle. The systems
+are served by the same app build, engine settings and environment (pdd_mode
+per request); pdd without relay is pdd with `routing.max_wan_transfer_ms: 1e9`
+set live on the conductor (every turn P-MD, the first token from P).
+Each system's trace, with the times requests really went out, is written to
+bench/out/pipelines_trace_SYSTEM.jsonl for the twin to replay
+(bench/sim_vs_real.py).
 
 Before each mode's measured run, a calibration replay (another seed, as many
 requests unless `--calibration-requests` says otherwise: with 40, the engines
@@ -36,17 +52,22 @@ Two worst-case latency figures per request:
   one included (max of TTFT and worst gap). Naive cross-DC PD hides its WAN
   transfer in TTFT, PDD in a relay: only this figure compares the two.
 
-    python bench/pipelines.py [--requests 120] [--rps 1.0] [--calibration-requests N] [--json out.json] [--gpu]
+    python bench/pipelines.py [--profile open|closed] [--requests 120] [--rps 1.0] [--calibration-requests N]
+                              [--systems a,b,..] [--json out.json] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,8 +88,28 @@ from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentil
 from tests.conftest import local_args, on_one_gpu, set_wan
 
 console = Console(width=160)
-MODES = ("colocated", "pd_intra_dc", "pd_cross_dc_naive", "pdd")
 WAN = "dc-a->dc-b"
+
+
+@dataclass(frozen=True)
+class System:
+    mode: str
+    """The `pdd_mode` its requests carry."""
+    replicas: tuple[tuple[str, int], ...] = ()
+    """Role replica counts it is given (the rest as bench_args has them: one each)."""
+    routing: tuple[tuple[str, float], ...] = ()
+    """Live routing knobs set on the conductor for its run."""
+    given: str = ""
+
+
+SYSTEMS = {
+    "colocated": System("colocated", (("main_decode", 3),), given="3 replicas of one engine"),
+    "pd_intra_dc": System("pd_intra_dc", (("relay_decode", 2),), given="1 P + 2 D in A"),
+    "pd_cross_dc_naive": System("pd_cross_dc_naive", (("main_decode", 2),), given="1 P in A, 2 D in B, whole KV over the WAN"),
+    "pd_cross_dc": System("pd_cross_dc", (("main_decode", 2),), given="1 P in A, 2 D in B, D pulls what its cache lacks"),
+    "pdd_no_relay": System("pdd", routing=(("max_wan_transfer_ms", 1e9),), given="1 P + 1 RLD in A, 1 MD in B; every turn P-MD"),
+    "pdd": System("pdd", given="1 P + 1 RLD in A, 1 MD in B"),
+}
 
 
 def trace_path(mode: str) -> Path:
@@ -130,6 +171,34 @@ def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
         think_time_min_s=2.0,
         think_time_mean_s=4.0,
     )
+
+
+#: The closed profile's outputs: most turns a short tool call, the rest a long answer.
+TOOL_CALL_SHARE = 0.7
+TOOL_CALL_TOKENS = (8, 32)
+ANSWER_TOKENS = (150, 300)
+
+
+def closed_trace(requests: int, agents: int, seed: int) -> list[Request]:
+    """The workload's conversations, run by `agents` agents at once: each agent holds its
+    conversations one after another and sends each turn as soon as the last answer ended
+    (arrivals 0); outputs a mix of short tool calls and long answers."""
+    rng = random.Random(seed)
+    conversations: dict[int | str, list[Request]] = {}
+    for r in workload(requests, 1.0, seed).generate():
+        low, high = TOOL_CALL_TOKENS if rng.random() < TOOL_CALL_SHARE else ANSWER_TOKENS
+        conversations.setdefault(r.session, []).append(r._replace(arrival_s=0.0, output_tokens=rng.randint(low, high)))
+    held: list[list[Request]] = [[] for _ in range(agents)]
+    for k, turns in enumerate(conversations.values()):
+        # a conversation's first turn repeats nothing the agent sent before (as the open replay's first
+        # turns, whose conversation is empty): not the agent's previous conversation
+        turns[0] = turns[0]._replace(prefix_tokens=0)
+        held[k % agents] += [t._replace(session=k % agents) for t in turns]
+    return [t for turns in held for t in turns]
+
+
+def profile_trace(profile: str, requests: int, rps: float, seed: int, agents: int) -> list[Request]:
+    return closed_trace(requests, agents, seed) if profile == "closed" else list(workload(requests, rps, seed).generate())
 
 
 async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step: progress.Step) -> tuple[LoadResult, list[str], list[Request]]:
@@ -203,7 +272,7 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
     return LoadResult(mode, 0, time.perf_counter() - t0, [r for r in records if r is not None]), ids, [r for r in sent if r is not None]
 
 
-def calibration_trace(requests: int, rps: float, seed: int, span_s: float) -> list[Request]:
+def calibration_trace(requests: int, rps: float, seed: int, span_s: float, profile: str = "open", agents: int = 4) -> list[Request]:
     """Another trace of the workload, its arrivals stretched or squeezed to span `span_s`.
 
     Agents wait for each answer, so how many sessions a seed draws sets the real
@@ -211,17 +280,17 @@ def calibration_trace(requests: int, rps: float, seed: int, span_s: float) -> li
     over 198 s, and at that half load P stepped 1.4x slower than alone against
     1.9x in the run. At the run's rate of requests, both offer about the same load.
     """
-    trace = list(workload(requests, rps, seed).generate())
+    trace = profile_trace(profile, requests, rps, seed, agents)
     return list(scaled(trace, trace[-1].arrival_s / span_s)) if span_s > 0 and trace[-1].arrival_s > 0 else trace
 
 
-def calibrate(base_url: str, mode: str, trace: list[Request], seed: int, config: PDDConfig, step: progress.Step) -> None:
-    """Serve `mode` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
+def calibrate(base_url: str, name: str, trace: list[Request], seed: int, config: PDDConfig, step: progress.Step) -> None:
+    """Serve system `name` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    _, ids, _ = asyncio.run(replay(base_url, trace, mode, seed, lambda name: step(f"calibration {name}")))
-    write_steps(steps_path(mode), fetch_journeys(base_url, ids), config)
+    _, ids, _ = asyncio.run(replay(base_url, trace, SYSTEMS[name].mode, seed, lambda label: step(f"calibration {label}")))
+    write_steps(steps_path(name), fetch_journeys(base_url, ids), config)
 
 
 def worst_wait_ms(result: LoadResult, q: float) -> float:
@@ -241,116 +310,147 @@ def bench_args(gpu: bool = False) -> dict:
     return args
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--rps", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument(
-        "--calibration-requests",
-        type=int,
-        default=None,
-        help="requests of the calibration replay before each mode's run (default: as many as --requests; 0: none)",
-    )
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
-    ap.add_argument("--json", dest="json_path")
-    a = ap.parse_args()
-    if a.calibration_requests is None:
-        a.calibration_requests = a.requests
-    modes = a.modes.split(",")
+def system_args(base: dict, system: System) -> dict:
+    args = copy.deepcopy(base)
+    for role, replicas in system.replicas:
+        args["roles"][role]["replicas"] = replicas
+    return args
 
-    args = bench_args(a.gpu)
-    config = parse_config(args)
-    trace = list(workload(a.requests, a.rps, a.seed).generate())
-    hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
-    console.print(
-        f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
-        f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
-        f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included)"
-    )
 
-    calibration = []
-    if a.calibration_requests:  # at the run's own rate of requests
-        calibration = calibration_trace(a.calibration_requests, a.rps, a.seed + 1000, trace[-1].arrival_s * a.calibration_requests / len(trace))
-        console.print(
-            f"calibration trace: {len(calibration)} requests in {len({r.session for r in calibration})} sessions over "
-            f"{calibration[-1].arrival_s:.0f} s (seed {a.seed + 1000}, arrivals scaled to the run's rate)"
+@contextmanager
+def live_routing(system: System, config: PDDConfig) -> Iterator[None]:
+    """The system's routing knobs on the conductor for its run (as a user_config update calls
+    its reconfigure), the config's own after."""
+    from ray import serve
+
+    if not system.routing:
+        yield
+        return
+    conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
+    knobs = config.live_knobs().model_dump(mode="json")
+    knobs["routing"].update(dict(system.routing))
+    conductor.reconfigure.remote(knobs).result()
+    try:
+        yield
+    finally:
+        conductor.reconfigure.remote(config.live_knobs().model_dump(mode="json")).result()
+
+
+@dataclass
+class Served:
+    result: LoadResult
+    journeys: list[dict]
+    wan_bytes: int
+    pipelines: dict[str, int]
+
+
+def serve_system(
+    app: LocalApp, name: str, trace: list[Request], calibration: list[Request], a: argparse.Namespace, config: PDDConfig, step: progress.Step
+) -> Served:
+    from ray import serve
+
+    system = SYSTEMS[name]
+    take_app_steps("pipelines")  # steps from here on are this system's (each write_steps takes them too)
+    with live_routing(system, config):
+        if calibration:
+            calibrate(app.base_url, name, calibration, a.seed + 1000, config, step)
+        else:
+            steps_path(name).unlink(missing_ok=True)  # an older run's steps would not match this run
+        serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
+        before = Faults("pipelines").link_counters(WAN)["bytes_down"]
+        result, ids, sent = asyncio.run(replay(app.base_url, trace, system.mode, a.seed, lambda label: step(f"{name}: {label}")))
+    journeys = fetch_journeys(app.base_url, ids)
+    write_steps(steps_path(name, "run"), journeys, config)
+    journeys_path(name).write_text(json.dumps(journeys))
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    write_trace(trace_path(name), sorted(sent))
+    counts: dict[str, int] = {}
+    for j in journeys:
+        counts[j.get("pipeline") or "?"] = counts.get(j.get("pipeline") or "?", 0) + 1
+    result.label = name
+    return Served(result, journeys, Faults("pipelines").link_counters(WAN)["bytes_down"] - before, counts)
+
+
+def summarize(name: str, served: Served) -> dict[str, float]:
+    r = served.result
+    return {
+        "ttft_p50": r.ttft_ms(50),
+        "ttft_p90": r.ttft_ms(90),
+        "ttft_p99": r.ttft_ms(99),
+        "tpot_p50": r.tpot_ms(50),
+        "gap_p50": r.gap_ms(50),
+        "gap_p99": r.gap_ms(99),
+        "wait_p99": worst_wait_ms(r, 99),
+        "wan_mb": served.wan_bytes / 1e6,
+        "failed": len(r.records) - len(r.ok),
+        "serving_overhead_p50": percentile([x for j in served.journeys if (x := serving_overhead_ms(j)) is not None], 50),
+    }
+
+
+def request_rows(name: str, served: Served) -> list[dict]:
+    rows = []
+    for rec, j in zip(served.result.records, served.journeys):
+        decision = j.get("decision") or {}
+        rows.append(
+            {
+                "system": name,
+                "pipeline": j.get("pipeline"),
+                "prompt_tokens": j.get("prompt_tokens"),
+                "ttft_ms": rec.ttft_s * 1000,
+                "server_ttft_ms": j.get("ttft_ms"),
+                "serving_overhead_ms": serving_overhead_ms(j),
+                "max_gap_ms": rec.max_gap_s * 1000,
+                "tpot_ms": rec.tpot_s * 1000,
+                "tokens": rec.completion_tokens,
+                "md_hit_estimate": decision.get("md_hit_estimate"),
+                "expected_wan_ms": decision.get("expected_wan_ms"),
+                "predicted_gap_ms": decision.get("predicted_gap_ms"),
+                "md_gap_ms": j.get("md_gap_ms"),
+                "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
+                "handoff_latency_ms": (j.get("handoff") or {}).get("latency_ms"),
+                "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN),
+                "error": rec.error or "",
+            }
         )
+    return rows
 
-    results: dict[str, LoadResult] = {}
-    wan: dict[str, int] = {}
-    pipelines: dict[str, dict[str, int]] = {}
-    journeys: dict[str, list[dict]] = {}
-    with LocalApp(args, name="pipelines") as app, progress.steps(console, "requests", len(modes) * (len(trace) + len(calibration))) as step:
-        wait_http(f"{app.base_url}/health")
-        from ray import serve
 
-        conductor = serve.get_deployment_handle("Conductor", app_name="pipelines")
-        for mode in modes:
-            take_app_steps("pipelines")  # steps from here on are this mode's (each write_steps takes them too)
-            if a.calibration_requests:
-                calibrate(app.base_url, mode, calibration, a.seed + 1000, config, step)
-            else:
-                steps_path(mode).unlink(missing_ok=True)  # an older run's steps would not match this run
-            conductor.reset_prefix_caches.remote().result()
-            before = Faults("pipelines").link_counters(WAN)["bytes_down"]
-            result, ids, sent = asyncio.run(replay(app.base_url, trace, mode, a.seed, step))
-            journeys[mode] = fetch_journeys(app.base_url, ids)
-            write_steps(steps_path(mode, "run"), journeys[mode], config)
-            journeys_path(mode).write_text(json.dumps(journeys[mode]))
-            results[mode] = result
-            OUT_DIR.mkdir(parents=True, exist_ok=True)
-            write_trace(trace_path(mode), sorted(sent))
-            wan[mode] = Faults("pipelines").link_counters(WAN)["bytes_down"] - before
-            counts: dict[str, int] = {}
-            for j in journeys[mode]:
-                p = j.get("pipeline") or "?"
-                counts[p] = counts.get(p, 0) + 1
-            pipelines[mode] = counts
+def ratios(rows: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The issue's keys, where both systems ran (a zero denominator gives inf)."""
 
-    rows, summary_rows = [], {}
-    for mode, r in results.items():
-        summary_rows[mode] = {
-            "ttft_p50": r.ttft_ms(50),
-            "ttft_p90": r.ttft_ms(90),
-            "ttft_p99": r.ttft_ms(99),
-            "tpot_p50": r.tpot_ms(50),
-            "gap_p50": r.gap_ms(50),
-            "gap_p99": r.gap_ms(99),
-            "wait_p99": worst_wait_ms(r, 99),
-            "wan_mb": wan[mode] / 1e6,
-            "failed": len(r.records) - len(r.ok),
-            "serving_overhead_p50": percentile([x for j in journeys[mode] if (x := serving_overhead_ms(j)) is not None], 50),
-        }
-        for rec, j in zip(r.records, journeys[mode]):
-            decision = j.get("decision") or {}
-            rows.append(
-                {
-                    "mode": mode,
-                    "pipeline": j.get("pipeline"),
-                    "prompt_tokens": j.get("prompt_tokens"),
-                    "ttft_ms": rec.ttft_s * 1000,
-                    "server_ttft_ms": j.get("ttft_ms"),
-                    "serving_overhead_ms": serving_overhead_ms(j),
-                    "max_gap_ms": rec.max_gap_s * 1000,
-                    "tpot_ms": rec.tpot_s * 1000,
-                    "tokens": rec.completion_tokens,
-                    "md_hit_estimate": decision.get("md_hit_estimate"),
-                    "expected_wan_ms": decision.get("expected_wan_ms"),
-                    "md_hit_tokens": (j.get("hit_tokens") or {}).get("main_decode"),
-                    "handoff_latency_ms": (j.get("handoff") or {}).get("latency_ms"),
-                    "wan_bytes": sum(t["bytes"] for t in j.get("transfers", []) if t["link"] == WAN),
-                    "error": rec.error or "",
-                }
-            )
+    def ratio(num: str, den: str, key: str, den_key: str | None = None) -> float:
+        d = rows[den][den_key or key]
+        return rows[num][key] / d if d else float("inf")
 
-    table = Table(title=f"pipelines on real engines: {len(trace)} agentic requests at {a.rps} req/s, same trace per mode, cold caches")
-    for col in ("mode", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):
+    keys: dict[str, float] = {}
+    have = set(rows)
+    if {"pdd", "pd_intra_dc"} <= have:
+        keys["gap_p99_pdd_over_intra"] = ratio("pdd", "pd_intra_dc", "gap_p99")
+        keys["ttft_p99_pdd_over_intra"] = ratio("pdd", "pd_intra_dc", "ttft_p99")
+    if {"pdd", "pd_cross_dc_naive"} <= have:
+        keys["gap_p99_naive_over_pdd"] = ratio("pd_cross_dc_naive", "pdd", "wait_p99")
+    if {"pdd", "pd_cross_dc"} <= have:
+        keys["worst_wait_p99_crossdc_over_pdd"] = ratio("pd_cross_dc", "pdd", "wait_p99")
+        keys["wan_bytes_crossdc_over_pdd"] = ratio("pd_cross_dc", "pdd", "wan_mb")
+    return keys
+
+
+#: The ablation, one mechanism at a time: what each step adds to the system before it.
+ABLATION = (
+    ("pd_cross_dc_naive", "pd_cross_dc", "the decoder's own prefix cache (pull only what it lacks)"),
+    ("pd_cross_dc", "pdd_no_relay", "the first token from P, and routing by predicted gap onto a decoder that holds the context"),
+    ("pdd_no_relay", "pdd", "the relay and handoff (RLD masks what the gap would be)"),
+)
+
+
+def print_results(rows: dict[str, dict[str, float]], pipelines: dict[str, dict[str, int]], keys: dict[str, float], title: str) -> None:
+    table = Table(title=title)
+    for col in ("system", "given", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):
         table.add_column(col, justify="right")
-    for mode, s in summary_rows.items():
+    for name, s in rows.items():
         table.add_row(
-            mode,
+            name,
+            SYSTEMS[name].given,
             *(f"{s[k]:.0f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99")),
             f"{s['tpot_p50']:.1f}",
             f"{s['gap_p50']:.0f}",
@@ -358,38 +458,109 @@ def main() -> None:
             f"{s['wait_p99']:.0f}",
             f"{s['wan_mb']:.1f}",
             str(s["failed"]),
-            " ".join(f"{k}:{v}" for k, v in sorted(pipelines[mode].items())),
+            " ".join(f"{k}:{v}" for k, v in sorted(pipelines[name].items())),
         )
     console.print(table)
     console.print("times in ms; worst wait = max(TTFT, worst inter-token gap) per request")
     console.print(
         "serving overhead p50 (TTFT at the conductor outside the engines' cores): "
-        + ", ".join(f"{mode} {s['serving_overhead_p50']:.1f} ms" for mode, s in summary_rows.items())
+        + ", ".join(f"{n} {s['serving_overhead_p50']:.1f} ms" for n, s in rows.items())
     )
+    goals = {
+        "gap_p99_pdd_over_intra": "goal <= 1.5",
+        "ttft_p99_pdd_over_intra": "goal <= 1.1",
+        "gap_p99_naive_over_pdd": "naive / pdd worst wait, goal >= 5",
+        "worst_wait_p99_crossdc_over_pdd": "goal >= 3",
+        "wan_bytes_crossdc_over_pdd": "expected near 1",
+    }
+    for key, value in keys.items():
+        console.print(f"{key}: {value:.2f} ({goals[key]})")
+    for before, after, what in ABLATION:
+        if before in rows and after in rows:
+            b, c = rows[before], rows[after]
+            console.print(
+                f"{before} -> {after}, adding {what}: worst-wait p99 {b['wait_p99']:.0f} -> {c['wait_p99']:.0f} ms "
+                f"({b['wait_p99'] / c['wait_p99']:.2f}x less), TTFT p99 {b['ttft_p99']:.0f} -> {c['ttft_p99']:.0f} ms, "
+                f"WAN {b['wan_mb']:.1f} -> {c['wan_mb']:.1f} MB"
+            )
 
-    summary: dict = {"modes": summary_rows, "pipelines": pipelines, "requests": len(trace), "rps": a.rps}
-    if {"pdd", "pd_intra_dc", "pd_cross_dc_naive"} <= set(summary_rows):
-        pdd, intra, naive = summary_rows["pdd"], summary_rows["pd_intra_dc"], summary_rows["pd_cross_dc_naive"]
-        summary.update(
-            gap_p99_pdd_over_intra=pdd["gap_p99"] / intra["gap_p99"],
-            gap_p99_naive_over_pdd=naive["wait_p99"] / pdd["wait_p99"],
-            ttft_p99_pdd_over_intra=pdd["ttft_p99"] / intra["ttft_p99"],
-        )
-        console.print(
-            f"pdd worst-gap p99 / pd_intra_dc: {summary['gap_p99_pdd_over_intra']:.2f}x (goal <= 1.5x); "
-            f"naive / pdd worst-wait p99: {summary['gap_p99_naive_over_pdd']:.1f}x (goal >= 5x); "
-            f"pdd TTFT p99 / pd_intra_dc: {summary['ttft_p99_pdd_over_intra']:.2f}x (goal <= 1.1x)"
-        )
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=("open", "closed"), default="open")
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--rps", type=float, default=1.0, help="open profile: the rate sessions' turns arrive at")
+    ap.add_argument("--agents", type=int, default=4, help="closed profile: agents running conversations at once")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=None,
+        help="requests of the calibration replay before each system's run (default: as many as --requests; 0: none)",
+    )
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
+    ap.add_argument("--gpu", action="store_true", help="CUDA vllm, 8B-shaped dummy model")
+    ap.add_argument("--json", dest="json_path")
+    a = ap.parse_args()
+    if a.calibration_requests is None:
+        a.calibration_requests = a.requests
+    names = a.systems.split(",")
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)})")
+
+    base = bench_args(a.gpu)
+    config = parse_config(base)
+    trace = profile_trace(a.profile, a.requests, a.rps, a.seed, a.agents)
+    hits = [r.prefix_tokens / r.prompt_tokens for r in trace]
+    console.print(
+        f"{a.profile} trace: {len(trace)} requests in {len({r.session for r in trace})} sessions over {trace[-1].arrival_s:.0f} s, "
+        f"mean hit {sum(hits) / len(hits):.0%}, {sum(h > 0.95 for h in hits) / len(hits):.0%} above 95%, "
+        f"{sum(h < 0.5 for h in hits) / len(hits):.0%} below 50% (first turns included), "
+        f"outputs p50 {percentile([r.output_tokens for r in trace], 50):.0f} tokens"
+    )
+    calibration = []
+    if a.calibration_requests:  # at the run's own rate of requests
+        span = trace[-1].arrival_s * a.calibration_requests / len(trace)
+        calibration = calibration_trace(a.calibration_requests, a.rps, a.seed + 1000, span, a.profile, a.agents)
+
+    served: dict[str, Served] = {}
+    groups: dict[tuple, list[str]] = {}
+    for name in names:  # one app per set of replica counts, the systems it serves in the order asked
+        groups.setdefault(SYSTEMS[name].replicas, []).append(name)
+    with progress.steps(console, "requests", len(names) * (len(trace) + len(calibration))) as step:
+        for group in groups.values():
+            with LocalApp(system_args(base, SYSTEMS[group[0]]), name="pipelines") as app:
+                wait_http(f"{app.base_url}/health")
+                for name in group:
+                    served[name] = serve_system(app, name, trace, calibration, a, config, step)
+
+    rows = {name: summarize(name, served[name]) for name in names}
+    pipelines = {name: served[name].pipelines for name in names}
+    keys = ratios(rows)
+    print_results(
+        rows, pipelines, keys, f"{len(names)} systems on real engines, {a.profile} profile: {len(trace)} agentic requests, same trace each, cold caches"
+    )
+    summary: dict = {
+        "profile": a.profile,
+        "systems": rows,
+        "given": {n: SYSTEMS[n].given for n in names},
+        "pipelines": pipelines,
+        "requests": len(trace),
+        "rps": a.rps,
+        **keys,
+    }
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for mode, r in results.items():
-            for ax, values in ((axes[0], [x.ttft_s * 1000 for x in r.ok]), (axes[1], [max(x.ttft_s, x.max_gap_s) * 1000 for x in r.ok])):
+        for name in names:
+            ok = served[name].result.ok
+            for ax, values in ((axes[0], [x.ttft_s * 1000 for x in ok]), (axes[1], [max(x.ttft_s, x.max_gap_s) * 1000 for x in ok])):
                 xs = sorted(values)
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode)
-        axes[0].set_title("TTFT CDF")
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+        axes[0].set_title(f"TTFT CDF ({a.profile} profile)")
         axes[1].set_title("worst wait (max of TTFT, inter-token gap) CDF")
         for ax in axes:
             ax.set_xscale("log")
@@ -398,8 +569,9 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
 
-    csv_path = write_outputs("pipelines", rows, summary, a.json_path, plot)
-    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {', '.join(str(trace_path(m)) for m in results)}")
+    all_rows = [row for name in names for row in request_rows(name, served[name])]
+    csv_path = write_outputs(f"pipelines_{a.profile}", all_rows, summary, a.json_path, plot)
+    console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {', '.join(str(trace_path(n)) for n in names)}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@
 2. Replay each mode's trace (bench/out/pipelines_trace_MODE.jsonl: its requests,
    at the times they really went out) through the twin with the same config
    (links, routing, handoff, replicas) and that mode's models.
-3. Compare per-request figures with the real run (bench/out/pipelines.csv):
+3. Compare per-request figures with the real run (bench/out/pipelines_open.csv):
    TTFT p50/p90/p99, TPOT p50, worst gap p99, WAN bytes and the pipeline mix.
    Goal: pdd's TTFT p50 and p90 within 20%, at the conductor. With host
    sharing, the twin with one factor per role (the same steps) runs beside it
@@ -48,7 +48,7 @@ the twin and the real app part where PDD plays no role: the serving stack and
 the machine. The real rows also give the conductor's own TTFT (from its
 journeys), so the client-side share (HTTP, Serve's proxy) is visible.
 
-Run bench/pipelines.py first (`--modes colocated,pdd` is enough).
+Run bench/pipelines.py first (`--systems colocated,pdd` is enough).
 
     python bench/sim_vs_real.py [--calibration app|idle|run] [--base FILE] [--perf FILE] [--json out.json]
 """
@@ -77,10 +77,10 @@ from app.sim.perf import FittedPerf, StepSample, load_perf, roles_to_json, save_
 from app.sim.run import simulate
 from app.sim.workload import read_trace
 from bench.common import OUT_DIR, percentile, write_outputs
-from bench.pipelines import bench_args, steps_path, trace_path
+from bench.pipelines import SYSTEMS, bench_args, steps_path, system_args, trace_path
 
 console = Console(width=160)
-REAL = OUT_DIR / "pipelines.csv"
+REAL = OUT_DIR / "pipelines_open.csv"
 FITTED = OUT_DIR / "fitted_perf.json"
 
 FIGURES = (
@@ -110,9 +110,9 @@ def real_rows(path: Path) -> dict[str, list[dict]]:
     with path.open() as f:
         for r in csv.DictReader(f):
             if not r.get("error"):
-                rows.setdefault(r["mode"], []).append(r)
+                rows.setdefault(r["system"], []).append(r)
     if not rows.get(Mode.pdd.value):
-        raise SystemExit(f"{path} has no successful pdd requests: run `python bench/pipelines.py --modes colocated,pdd` first")
+        raise SystemExit(f"{path} has no successful pdd requests: run `python bench/pipelines.py --systems colocated,pdd` first")
     return rows
 
 
@@ -199,11 +199,11 @@ def main() -> None:
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
     if not REAL.exists():
-        raise SystemExit(f"{REAL} is missing: run `python bench/pipelines.py --modes colocated,pdd` first")
+        raise SystemExit(f"{REAL} is missing: run `python bench/pipelines.py --systems colocated,pdd` first")
     rows = real_rows(REAL)
     modes = [m for m in Mode if m.value in rows and trace_path(m.value).exists()]
     if Mode.pdd not in modes:
-        raise SystemExit(f"{trace_path(Mode.pdd.value)} is missing: run `python bench/pipelines.py --modes colocated,pdd` first")
+        raise SystemExit(f"{trace_path(Mode.pdd.value)} is missing: run `python bench/pipelines.py --systems colocated,pdd` first")
 
     base = with_model_spec(parse_config(bench_args()))
     perfs: dict[Mode, FittedPerf | dict[str, FittedPerf]] = {}
@@ -273,10 +273,11 @@ def main() -> None:
     for mode in modes:
         mine = rows[mode.value]
         trace = traces[mode] = list(read_trace(trace_path(mode.value)))
-        sim = simulate(derive(base, mode=mode), trace, perfs[mode], a.seed).records()
+        given = with_model_spec(parse_config(system_args(bench_args(), SYSTEMS[mode.value])))  # the replicas the system ran on
+        sim = simulate(derive(given, mode=mode), trace, perfs[mode], a.seed).records()
         ttfts[mode.value] = {"twin": [r.ttft_s * 1000 for r in sim]}
         if mode in one_factor:
-            sim_one = simulate(derive(base, mode=mode), trace, one_factor[mode], a.seed).records()
+            sim_one = simulate(derive(given, mode=mode), trace, one_factor[mode], a.seed).records()
             baseline[mode.value] = twin_figures(sim_one)
             ttfts[mode.value]["twin, one factor"] = [r.ttft_s * 1000 for r in sim_one]
         real_ttft = [float(r["ttft_ms"]) for r in mine]
