@@ -167,15 +167,25 @@ def history(
     config, app_name = _load(config_path)
     with Swarm.open(config, app_name=app_name, mode=AgentMode.advise) as swarm:
         rows, runs = swarm.history(limit), swarm.runs()
+    unwatched = not_watched()
     if as_json:
-        console.print_json(data={"ticks": rows, "runs": runs})
+        console.print_json(data={"ticks": rows, "runs": runs, "not_watched": unwatched})
         return
+    console.print(f"not watched by the agents (no specialist judges them: a person sets them): {', '.join(unwatched)}", style="dim")
     if not rows:
         console.print("no ticks recorded yet")
         return
     # newest first: each run's ticks under a line naming the run (none over ticks of no recorded run)
     runs_and_ticks = [(run, list(ticks)) for run, ticks in groupby(rows, key=lambda r: run_of(r["at"], runs))]
     console.print(_history_table(runs_and_ticks) if wide else _history_blocks(runs_and_ticks, console.width))
+
+
+def not_watched() -> list[str]:
+    """The live knobs no specialist moves, in the config's order."""
+    from agents.knobs import knob_paths
+    from agents.specialists import WATCHED
+
+    return [path for path in knob_paths() if path not in WATCHED]
 
 
 def _run_line(run: dict) -> tuple[str, str, str]:

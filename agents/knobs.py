@@ -83,6 +83,18 @@ def role_of(target: str) -> RoleName:
     return RoleName(target.removeprefix(REPLICAS))
 
 
+def knob_paths(model: type[BaseModel] = LiveKnobs, prefix: str = "") -> list[str]:
+    """Every live knob's dotted path (routing.singular.enabled, handoff.mode, ...)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            paths += knob_paths(field.annotation, f"{path}.")
+        else:
+            paths.append(path)
+    return paths
+
+
 def get_knob(knobs: LiveKnobs, path: str) -> Any:
     obj: Any = knobs
     for part in path.split("."):

@@ -21,3 +21,5 @@ PROPOSERS: dict[str, Callable[[View], list[Proposal]]] = {
 }
 CLERK = clerk.NAME
 ALL: dict[str, Callable[[View], list[Proposal]]] = {**PROPOSERS, CLERK: clerk.propose}
+WATCHED = frozenset(routing.KNOBS + handoff.KNOBS)
+"""The live knobs some specialist moves (capacity moves replica counts); the rest only a person sets."""

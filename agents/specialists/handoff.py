@@ -27,6 +27,8 @@ from app.config import HandoffMode
 NAME = "handoff"
 MODE = "handoff.mode"
 RELAY_CAP = "handoff.relay_cap_tokens"
+KNOBS = (MODE, RELAY_CAP)
+"""The live knobs this specialist moves."""
 
 
 def _overload(view: View, s: Situation) -> list[Proposal]:

@@ -48,6 +48,8 @@ THRESHOLD = "routing.max_wan_transfer_ms"
 MIN_HIT = "routing.min_hit_rate"
 SINGULAR_MIN_PROMPT = "routing.singular.min_prompt_tokens"
 SINGULAR_ENABLED = "routing.singular.enabled"
+KNOBS = (THRESHOLD, MIN_HIT, SINGULAR_MIN_PROMPT, SINGULAR_ENABLED)
+"""The live knobs this specialist moves."""
 #: Singular traffic below this share of requests cannot explain MD's cache lag.
 SINGULAR_SHARE_MIN = 0.005
 

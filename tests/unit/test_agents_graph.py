@@ -335,6 +335,10 @@ def test_cli_pending_history_and_unknown_tick(tmp_path):
     assert out.exit_code == 0 and tick in out.output and "replicas.prefill" in out.output
     out = runner.invoke(agents_cli, ["history", "--config", str(cfg_file)])
     assert out.exit_code == 0 and "awaiting" in out.output
+    # every live knob no specialist moves is named, never silently left out
+    unwatched = out.output.split("not watched by the agents", 1)[1].split("\n\n", 1)[0]
+    assert "routing.max_relay_load" in unwatched and "handoff.catch_up_threshold_tokens" in unwatched
+    assert "routing.max_wan_transfer_ms" not in unwatched and "handoff.relay_cap_tokens" not in unwatched
     out = runner.invoke(agents_cli, ["approve", "tick-nope", "--config", str(cfg_file)])
     assert out.exit_code == 1 and "no proposal awaits approval" in out.output
 

@@ -391,3 +391,10 @@ def test_relay_cap_goes_back_up_once_rld_has_headroom():
     assert (s.name, s.subject, s.severity) == ("return_to_intent", "handoff.relay_cap_tokens", 0)
     [p] = propose_all(snap, knobs=knobs)
     assert (p.specialist, p.change.target, p.change.old, p.change.new) == ("handoff", "handoff.relay_cap_tokens", 128, 384)
+
+
+def test_the_knobs_the_specialists_move_are_live_knobs():
+    from agents.knobs import knob_paths
+    from agents.specialists import WATCHED
+
+    assert WATCHED <= set(knob_paths())  # a misspelt knob would be named watched and never moved
