@@ -2,13 +2,15 @@
 it in the real Prometheus and retune the real conductor through Serve.
 
 Multi-turn conversations stream through the official openai client. Each turn
-adds ~250 tokens MD lacks: at the configured 40 Mbit/s that is a ~240 ms pull,
-under the 300 ms threshold, so turns take P-MD. Then the emulated WAN drops to a
+adds ~170 tokens MD lacks: at the configured 40 Mbit/s that is a ~160 ms pull,
+and with MD's wait and its token's way back a predicted gap of ~220 ms, under
+the 300 ms threshold, so turns take P-MD. Then the emulated WAN drops to a
 tenth of that while the app's config (and so the conductor's estimates) still
-says 40 Mbit/s: every P-MD turn now waits ~2.5 s for its KV after the first
-token. The swarm, in act mode, must see the slow pulls, lower the routing
-threshold (relays mask the wait), keep the change at verification, and the
-worst-gap p99 must come back under the SLO.
+says 40 Mbit/s: a P-MD turn now waits ~1.5 s for its KV after the first token.
+Routing's own correction learns that from the first slow turns and relays the
+next ones until it decays; the swarm, in act mode, must see the slow pulls,
+lower the routing threshold (relays mask the wait), keep the change at
+verification, and the worst-gap p99 must come back under the SLO.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ APP = "swarm"
 WAN = "dc-a->dc-b"
 THRESHOLD = "routing.max_wan_transfer_ms"
 CONFIGURED_MBPS, DEGRADED_MBPS = 40, 4
-FIRST_TURN, TURN, MAX_TOKENS = 400, 200, 32
+FIRST_TURN, TURN, MAX_TOKENS = 400, 120, 32
 CONVERSATIONS = 4
 PHASE_REQUESTS = 10
 TICK_S = 3
@@ -217,7 +219,7 @@ def test_swarm_recovers_the_worst_gap_after_the_wan_degrades(app, prom, tmp_path
 
     slo_gap_ms = config.slo.max_gap_ms
     before_p99, after_p99 = rows[1]["worst-gap p99 ms"], rows[2]["worst-gap p99 ms"]
-    assert rows[1]["P-MD share"] >= 0.5 and before_p99 > slo_gap_ms, "the degraded WAN must hurt P-MD turns first"
+    assert rows[1]["P-MD share"] > 0 and before_p99 > slo_gap_ms, "the degraded WAN must hurt P-MD turns first"
     assert rows[2]["P-MD share"] < rows[1]["P-MD share"]
     assert after_p99 <= slo_gap_ms and after_p99 < before_p99 / 2
 
