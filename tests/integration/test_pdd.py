@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from app.config import RoleName
+from app.config import PDDConfig, RoleName
 from app.engine.deployments import DEPLOYMENT_NAMES
 from app.ops.faults import Faults
 from app.sim.calibrate import take_app_steps
@@ -300,7 +300,10 @@ def test_a_turn_stopped_on_md_counts_in_the_next_turns_estimate(app):
     assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
     # the gap routing predicted and the one seen: at least MD's pull, and the worst of the turn here
     decision, (pull,) = journey["decision"], [t for t in journey["transfers"] if t["link"] == WAN]
-    assert decision["predicted_gap_ms"] == pytest.approx(decision["expected_wan_ms"] + decision["md_wait_ms"] + decision["gap_correction_ms"], abs=0.2)
+    token_back_ms = PDDConfig.model_validate(app.args).link("dc-a", "dc-b").rtt_ms / 2
+    assert decision["predicted_gap_ms"] == pytest.approx(
+        decision["expected_wan_ms"] + decision["md_wait_ms"] + token_back_ms + decision["gap_correction_ms"], abs=0.2
+    )
     assert pull["seconds"] * 1000 < journey["md_gap_ms"] <= journey["max_gap_ms"] + 1
 
 
@@ -327,7 +330,10 @@ def test_a_relayed_turn_stopped_after_the_handoff_counts_in_the_next_turns_estim
     assert journey["pipeline"] == "P-MD" and journey["decision"]["blocks_to_send"] <= 3, journey["decision"]
     # the gap routing predicted and the one seen: at least MD's pull, and the worst of the turn here
     decision, (pull,) = journey["decision"], [t for t in journey["transfers"] if t["link"] == WAN]
-    assert decision["predicted_gap_ms"] == pytest.approx(decision["expected_wan_ms"] + decision["md_wait_ms"] + decision["gap_correction_ms"], abs=0.2)
+    token_back_ms = PDDConfig.model_validate(app.args).link("dc-a", "dc-b").rtt_ms / 2
+    assert decision["predicted_gap_ms"] == pytest.approx(
+        decision["expected_wan_ms"] + decision["md_wait_ms"] + token_back_ms + decision["gap_correction_ms"], abs=0.2
+    )
     assert pull["seconds"] * 1000 < journey["md_gap_ms"] <= journey["max_gap_ms"] + 1
 
 
