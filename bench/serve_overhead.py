@@ -56,8 +56,8 @@ def colocated_args(max_model_len: int, gpu: bool = False) -> dict:
 def vllm_server(args: dict, port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's own OpenAI server: its command line with the engine arguments our main_decode
     role uses, and the variables of our engine environment it starts with."""
+    from app.engine.engine_args import engine_args
     from app.engine.env import engine_env
-    from app.engine.replica import engine_args
 
     config = PDDConfig.model_validate(args)
     e = engine_args(config, RoleName.main_decode)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.api import structured
 from app.api.admission import Admission, SeatedStream, Seats
 from app.api.auth import Caller, api_keys
 from app.api.errors import ERROR_RESPONSES, install_error_handlers
@@ -48,7 +49,7 @@ from app.conductor.journal import JOURNAL_CAPACITY
 from app.conductor.link_directory import LinkDirectory
 from app.config import LiveKnobs, Mode, PDDConfig, RoleName
 from app.engine.devmodel import resolve_model_source
-from app.engine.token_channel import TokenLogprob
+from app.engine.token_channel import Constraint, TokenLogprob
 from app.ray_private import serve_http_host
 from app.telemetry.replica_logging import log_to_stderr
 
@@ -114,7 +115,13 @@ class ConductorIngress:
         return requested
 
     def _generation_requests(
-        self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], max_tokens: int | None, prefix: str, prompt_logprobs: int | None = None
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prefix: str,
+        prompt_logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> tuple[str, list[GenerationRequest]]:
         """The response's id and one engine request per choice: prompt i's choice j is choice i*n+j,
         with the request's seed + j (as vLLM seeds its parallel samples). max_tokens 0 (a
@@ -136,7 +143,7 @@ class ConductorIngress:
         gens = []
         for i, ids in enumerate(prompts):
             room = max(1, self._max_new_tokens(body, ids, max_tokens, f"prompt.{i}" if len(prompts) > 1 else None))
-            sampling = sampling_options(body, room, vocab, prompt_logprobs)
+            sampling = sampling_options(body, room, vocab, prompt_logprobs, constraint)
             for j in range(n):
                 gens.append(
                     GenerationRequest(
@@ -323,7 +330,8 @@ class ConductorIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         caller = self.keys.caller(request)
         self._check_model(body.model)
-        request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl")
+        constraint = await structured.check(structured.constraint(body.response_format, body.structured_outputs, body.ignore_eos))
+        request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl", constraint=constraint)
         return await self._respond(caller, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
@@ -331,7 +339,8 @@ class ConductorIngress:
         caller = self.keys.caller(request)
         self._check_model(body.model)
         prompts = self._completion_prompts(body)
-        request_id, gens = self._generation_requests(body, prompts, body.requested_max_tokens(), "cmpl", body.requested_prompt_logprobs())
+        constraint = await structured.check(structured.constraint(body.response_format, body.structured_outputs, body.ignore_eos))
+        request_id, gens = self._generation_requests(body, prompts, body.requested_max_tokens(), "cmpl", body.requested_prompt_logprobs(), constraint)
         echoes = None
         if body.echo:
             texts = body.prompt_texts() or self.tokenizer.batch_decode(prompts, skip_special_tokens=True)

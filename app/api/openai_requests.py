@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, field_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, field_validator, model_validator
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
@@ -77,7 +77,56 @@ class Unsupported:
         return {**handler(schema), "description": f"Not supported ({self.why})", "enum": list(self.accepted)}
 
 
-_TEXT_ONLY = "this server returns plain text"
+_NO_TOOLS = "tool calls are not served"
+
+
+_PER_ENGINE = "an engine-wide option of vLLM's xgrammar backend: roles.<role>.engine.extra.structured_outputs_config"
+
+
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the answer satisfies")
+    strict: bool | None = Field(default=None, description="Accepted; the answer always satisfies the schema")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema (an object, or its text)")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1, description="An EBNF grammar (xgrammar's dialect)")] | None = None
+    json_object: Literal[True] | None = None
+    disable_any_whitespace: Annotated[Any, Unsupported(_PER_ENGINE, False)] = None
+    whitespace_pattern: Annotated[Any, Unsupported(_PER_ENGINE)] = None
+    disable_additional_properties: Annotated[Any, Unsupported("an option of vLLM's guidance backend; engines run xgrammar", False)] = None
+    structural_tag: Annotated[Any, Unsupported("structural tags are not served")] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self.constraint_fields().get(name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {', '.join(given) or 'none'})")
+        return self
+
+    def constraint_fields(self) -> dict[str, Any]:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar, "json_object": self.json_object}
+
+
+ResponseFormatField = Annotated[ResponseFormat | None, Field(description="text, json_object, or json_schema: the answer satisfies the schema on every engine")]
+StructuredOutputsField = Annotated[StructuredOutputs | None, Field(description="Extension (vLLM's): a JSON schema, regex, choice or EBNF grammar")]
 
 
 _PENALTY = Annotated[float, Field(ge=-2, le=2, description="Counts every output token, whichever engine sampled it")]
@@ -111,6 +160,8 @@ class _SamplingFields(_Request):
     return_token_ids: bool | None = Field(default=None, description="Extension (as vLLM's): output token ids in each choice")
     pdd_mode: Mode | None = Field(default=None, description="Extension: serve this request in another mode (benchmarks, tests)")
     logit_bias: LogitBias | None = None
+    response_format: ResponseFormatField = None
+    structured_outputs: StructuredOutputsField = None
     # vLLM's sampling extensions: each means what it means in vLLM's OpenAI server, on every engine a request crosses
     top_k: Annotated[int, Field(ge=-1, description="Extension (vLLM's): sample among the k most likely tokens (0 or -1: all)")] | None = None
     min_p: Annotated[float, Field(ge=0, le=1, description="Extension (vLLM's): drop tokens below this share of the likeliest one's probability")] | None = None
@@ -170,14 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = Field(default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases)")
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, description="With logprobs: the most likely tokens at each place")
-    tools: Annotated[Any, Unsupported(_TEXT_ONLY, [])] = None
-    tool_choice: Annotated[Any, Unsupported(_TEXT_ONLY, "none")] = None
-    parallel_tool_calls: Annotated[Any, Unsupported(_TEXT_ONLY, True, False)] = None
-    functions: Annotated[Any, Unsupported(_TEXT_ONLY, [])] = None
-    function_call: Annotated[Any, Unsupported(_TEXT_ONLY, "none")] = None
-    response_format: Annotated[Any, Unsupported(_TEXT_ONLY, {"type": "text"})] = None
-    modalities: Annotated[Any, Unsupported(_TEXT_ONLY, ["text"])] = None
-    audio: Annotated[Any, Unsupported(_TEXT_ONLY)] = None
+    tools: Annotated[Any, Unsupported(_NO_TOOLS, [])] = None
+    tool_choice: Annotated[Any, Unsupported(_NO_TOOLS, "none")] = None
+    parallel_tool_calls: Annotated[Any, Unsupported(_NO_TOOLS, True, False)] = None
+    functions: Annotated[Any, Unsupported(_NO_TOOLS, [])] = None
+    function_call: Annotated[Any, Unsupported(_NO_TOOLS, "none")] = None
+    modalities: Annotated[Any, Unsupported(_NO_TOOLS, ["text"])] = None
+    audio: Annotated[Any, Unsupported(_NO_TOOLS)] = None
     web_search_options: Annotated[Any, Unsupported("no web search")] = None
     prediction: Annotated[Any, Unsupported("no predicted outputs")] = None
     moderation: Annotated[Any, Unsupported("no moderation")] = None

@@ -4,7 +4,7 @@ against the tokenizer: token ids inside the vocabulary, min_tokens within max_to
 from __future__ import annotations
 
 from app.api.openai_requests import APIError, ChatCompletionRequest, CompletionRequest
-from app.engine.token_channel import SamplingOptions
+from app.engine.token_channel import Constraint, SamplingOptions
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -21,8 +21,9 @@ def logit_bias(body: Body, vocab: int) -> dict[int, float] | None:
     return bias or None
 
 
-def sampling_options(body: Body, max_tokens: int, vocab: int, prompt_logprobs: int | None) -> SamplingOptions:
-    """One prompt's engine sampling; `max_tokens` is what that prompt may generate."""
+def sampling_options(body: Body, max_tokens: int, vocab: int, prompt_logprobs: int | None, constraint: Constraint | None = None) -> SamplingOptions:
+    """One prompt's engine sampling; `max_tokens` is what that prompt may generate, `constraint`
+    the structured output it satisfies (app/api/structured.py)."""
     if body.min_tokens and body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
     stop_ids = list(body.stop_token_ids or [])
@@ -43,6 +44,7 @@ def sampling_options(body: Body, max_tokens: int, vocab: int, prompt_logprobs: i
         logit_bias=logit_bias(body, vocab),
         logprobs=body.requested_logprobs(),
         prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
     )
 
 

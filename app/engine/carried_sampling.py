@@ -16,6 +16,12 @@ says how many output tokens other engines sampled before it
   vLLM takes from the request's own output: after a handoff the earlier ones are
   in the prompt and would not count. The worker adds them, the prompt's last
   `sampled_before` tokens, to the output tokens its sampler penalises.
+- **Structured outputs.** vLLM's grammar starts at the request's first output
+  token; a continuation's would start the JSON object (or regex, or choice) again
+  in the middle of one. The engine core's structured-output manager has the new
+  grammar accept the prompt's last `sampled_before` tokens before the request's
+  first step; a continuation whose earlier output the grammar refuses fails
+  rather than produce output no single engine would.
 
 When vLLM discards a step's sample (a partial prefill, as a relay decoder's
 first step after its KV pull can be), it takes the draw back by moving the
@@ -73,7 +79,7 @@ _carried_rows: contextvars.ContextVar[list[list[int] | None] | None] = contextva
 def extra_args(sampling: SamplingOptions) -> dict[str, Any]:
     """What an engine request adds to vLLM's `extra_args`: nothing unless it continues a
     request whose sampling depends on the output before it (a seed, a penalty)."""
-    depends = sampling.seed is not None or penalised(sampling)
+    depends = sampling.seed is not None or penalised(sampling) or sampling.constraint is not None
     return {SAMPLED_BEFORE: sampling.sampled_before} if depends and sampling.sampled_before > 0 else {}
 
 
@@ -137,10 +143,32 @@ def with_carried(output_token_ids: list[list[int]], rows: list[list[int] | None]
     return [out if before is None else before + list(out) for before, out in zip(rows, output_token_ids)]
 
 
+def grammar_past_carried(create: Any) -> Any:
+    """Wrap `StructuredOutputManager._create_grammar`: the grammar it returns has accepted
+    the output other engines produced, which ends the request's prompt."""
+
+    @functools.wraps(create)
+    def create_grammar(self, request):
+        grammar = create(self, request)
+        count = (request.sampling_params.extra_args or {}).get(SAMPLED_BEFORE, 0)
+        carried = list(request.prompt_token_ids[-count:]) if count else []
+        if carried and not grammar.accept_tokens(request.request_id, carried):
+            raise ValueError(f"request {request.request_id}: the {count} output tokens other engines produced do not satisfy its structured-output constraint")
+        return grammar
+
+    setattr(create_grammar, _PATCHED, True)
+    return create_grammar
+
+
 def install() -> None:
-    """Patch vLLM's model runner and sampler, once per process (engine workers import app.engine.kv.control)."""
+    """Patch vLLM's model runner, sampler and structured-output manager, once per process
+    (engine workers and the engine core import app.engine.kv.control)."""
     from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(StructuredOutputManager._create_grammar, _PATCHED, False):
+        StructuredOutputManager._create_grammar = grammar_past_carried(StructuredOutputManager._create_grammar)
 
     original_update, original_sample, original_penalties = GPUModelRunner._update_states, GPUModelRunner._sample, Sampler.apply_penalties
     if getattr(original_update, _PATCHED, False):
@@ -206,6 +234,8 @@ def check(runner: Any) -> str:
     """Confirm that `runner`, the model runner vLLM built, and its sampler run this
     module's patches; return the runner's label. Raises CarriedSamplingUnavailable
     naming the runner and what would not carry across engines otherwise."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
     sampler = getattr(runner, "sampler", None)
     missing = [
         feature
@@ -216,6 +246,8 @@ def check(runner: Any) -> str:
         )
         if not _is_patched(owner, method)
     ]
+    if not getattr(StructuredOutputManager._create_grammar, _PATCHED, False):
+        missing.append("structured outputs (the grammar would start again mid-answer)")
     if missing:
         raise CarriedSamplingUnavailable(
             f"vLLM built model runner {runner_label(runner)} ({_qualname(runner)}) with sampler {_qualname(sampler)}, "

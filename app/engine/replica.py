@@ -16,10 +16,12 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from app.config import PDDConfig, RoleName
 from app.engine import carried_sampling
-from app.engine.cluster_tls import cluster_tls, credentials_file
-from app.engine.devmodel import resolve_model_source
+from app.engine.cluster_tls import cluster_tls
+from app.engine.engine_args import engine_args, kv_transfer_config
 from app.engine.env import set_engine_env
 from app.engine.kv import block_servers
 from app.engine.kv.limits import ConnectionLimits
@@ -69,35 +71,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kv_transfer_config(config: PDDConfig, role: RoleName, host: str, block_port: int, owner_pid: int):
-    """Every role loads the PDD connector: any engine may produce or consume KV."""
-    from vllm.config import KVTransferConfig
-
-    return KVTransferConfig(
-        kv_connector="PDDConnector",
-        kv_connector_module_path="app.engine.kv.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "datacenter": config.datacenter_of(role),
-            "host": host,
-            "block_port": block_port,
-            "lease_timeout_s": config.kv.lease_timeout_s,
-            "connect_timeout_s": config.kv.connect_timeout_s,
-            "transfer_timeout_s": config.kv.transfer_timeout_s,
-            "concurrent_pulls": config.kv.concurrent_pulls,
-            "pull_order": config.kv.pull_order.value,
-            "owner_pid": owner_pid,
-            "record_steps": config.roles.of(role).engine.record_steps,
-            "tls_credentials": credentials_file(),
-            "bind_host": config.security.bind_host,
-            "intra_dc_encryption": config.security.intra_dc_encryption,
-            "max_connections_per_peer": config.security.max_connections_per_peer,
-            "max_connections": config.security.max_connections,
-        },
-    )
-
-
 class ConnectorState:
     """What this engine's connector last reported: live leases, pull reports by
     request id until generate() takes them, and timed steps until taken."""
@@ -144,35 +117,6 @@ def _connector_stats_logger(replica_id: str, state: ConnectorState):
             pass
 
     return ConnectorStatsLogger
-
-
-def engine_args(config: PDDConfig, role: RoleName, kv_transfer_config: Any = None):
-    """AsyncEngineArgs for one role, from the config alone."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    e = config.roles.of(role).engine
-    kwargs: dict[str, Any] = dict(
-        model=resolve_model_source(config.model.source),
-        served_model_name=config.model.served_name,
-        dtype=config.model.dtype,
-        block_size=config.model.block_size,
-        max_model_len=config.model.max_model_len,
-        enable_prefix_caching=True,
-        enforce_eager=e.enforce_eager,
-        max_num_seqs=e.max_num_seqs,
-        tensor_parallel_size=e.tensor_parallel_size,
-        gpu_memory_utilization=e.gpu_memory_utilization,
-        load_format=config.model.load_format,
-        disable_log_stats=False,
-        kv_transfer_config=kv_transfer_config,
-        worker_extension_cls="app.engine.kv.control.ConnectorControl",
-    )
-    if e.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens
-    if e.tensor_parallel_size > 1:  # workers go into the replica's placement group (app/builder.py)
-        kwargs["distributed_executor_backend"] = "ray"
-    kwargs.update(e.extra)
-    return AsyncEngineArgs(**kwargs)
 
 
 class EngineServer:
@@ -231,7 +175,7 @@ class EngineServer:
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         s = request.sampling
         extra_args = carried_sampling.extra_args(s)
@@ -256,6 +200,7 @@ class EngineServer:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args or None,
+            structured_outputs=None if s.constraint is None else StructuredOutputsParams(**msgspec.structs.asdict(s.constraint)),
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt is not None:

@@ -40,6 +40,19 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_WRITE_BUFFER_BYTES = 64 * 1024 * 1024
 
 
+class Constraint(msgspec.Struct, omit_defaults=True):
+    """A structured-output constraint, vLLM's `StructuredOutputsParams` fields: exactly one of
+    json (a JSON schema, as text), regex, choice, grammar (EBNF) or json_object, and options."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
 class SamplingOptions(msgspec.Struct):
     """The sampling fields the API accepts, engine-side names."""
 
@@ -65,11 +78,13 @@ class SamplingOptions(msgspec.Struct):
     """Return each prompt token's log probability and this many most likely alternatives (None:
     none). Only the engine that computes the user's prompt can: vLLM then recomputes the whole
     prompt (it reads no cached prefix), so a continuation (`continued`) never asks."""
+    constraint: Constraint | None = None
+    """Structured output: each engine's grammar starts past the output other engines produced."""
     sampled_before: int = 0
     """Output tokens other engines sampled before this request's first (its prompt ends
-    with them). A seeded request's generator skips their draws, and penalties count
-    them as output (app/engine/carried_sampling.py), so a request that moves between engines
-    samples what one engine would have."""
+    with them). A seeded request's generator skips their draws, penalties count them as
+    output, and a constraint's grammar has accepted them (app/engine/carried_sampling.py),
+    so a request that moves between engines samples what one engine would have."""
 
     def continued(self, done: int, max_tokens: int | None = None) -> SamplingOptions:
         """For a request whose prompt goes on with `done` more of its output tokens:

@@ -126,8 +126,8 @@ async def measure(
     adds time to a run, and one slow run would otherwise pull the fit."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from app.engine.engine_args import engine_args
     from app.engine.env import set_engine_env
-    from app.engine.replica import engine_args
 
     progress("starting the engine")
     set_engine_env(config, role)

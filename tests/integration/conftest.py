@@ -206,3 +206,20 @@ def completion(app: DeployedApp, prompt, max_tokens: int, mode: str | None = Non
     assert resp.status_code == 200, resp.text
     out = resp.json()
     return out["choices"][0]["text"], app.journey(out["id"])
+
+
+def list_schema(items: int) -> dict[str, Any]:
+    """A JSON schema for a list of `items` small records: bounded, so the dev model's random
+    answers end, and long enough (about 45 tokens a record) to be handed over mid-list."""
+    record = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "word": {"type": "string", "maxLength": 8},
+            "kind": {"enum": ["read", "write"]},
+        },
+        "required": ["id", "word", "kind"],
+        "additionalProperties": False,
+    }
+    listing = {"type": "array", "items": record, "minItems": items, "maxItems": items}
+    return {"type": "object", "properties": {"items": listing}, "required": ["items"], "additionalProperties": False}

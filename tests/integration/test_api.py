@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 
 from app.engine.devmodel import ensure_devmodel
 from tests.conftest import local_args
-from tests.integration.conftest import deploy_app
+from tests.integration.conftest import deploy_app, list_schema
 
 KEY = "sk-test-key"
 OPERATOR = "sk-test-operator"
@@ -375,8 +376,7 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
     ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
     assert ok.status_code == 200, ok.text
     for path, field, value, reason in (
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (this server returns plain text)"),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}, "not supported (this server returns plain text)"),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (tool calls are not served)"),
         ("/v1/chat/completions", "store", True, "not supported (completions are not stored); leave it out or send null or false"),
         ("/v1/chat/completions", "reasoning_effort", "high", "not supported (not a reasoning model); leave it out or send null"),
         ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
@@ -386,6 +386,37 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
         body = {"model": MODEL, field: value, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
         err = _assert_error(_post(app, path, body), 400, param=field, code="unsupported_parameter")
         assert err["message"].startswith(f"{field}: {reason}"), err["message"]
+
+
+LIST = list_schema(3)
+
+
+def test_structured_outputs_satisfy_their_constraint_streamed_and_not(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "items", "schema": LIST, "strict": True}}
+    whole = chat(client, response_format=fmt, max_tokens=300)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), LIST)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, response_format=fmt, max_tokens=300, stream=True) if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert isinstance(json.loads(chat(client, response_format={"type": "json_object"}, max_tokens=300).choices[0].message.content), dict)
+    regex = client.completions.create(
+        model=MODEL, prompt="id:", max_tokens=40, temperature=0, extra_body={"structured_outputs": {"regex": "([a-z]{2}-[0-9] ){3}"}}
+    )
+    assert re.fullmatch("([a-z]{2}-[0-9] ){3}", regex.choices[0].text), regex.choices[0].text
+    picked = chat(client, extra_body={"structured_outputs": {"choice": ["route to md", "relay"]}})
+    assert picked.choices[0].message.content in ("route to md", "relay")
+    free = chat(client, max_tokens=60).choices[0].message.content
+    with pytest.raises(json.JSONDecodeError):  # the same prompt unconstrained: the constraint did the work
+        json.loads(free)
+
+
+def test_a_constraint_the_engines_cannot_build_is_a_400_naming_its_field(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, extra_body={"structured_outputs": {"regex": "a(b"}})
+    assert info.value.body["param"] == "structured_outputs.regex" and "parenthesis" in info.value.body["message"]
+    assert chat(client).choices[0].message.content  # and the engines serve on
 
 
 def test_langchain_openai_clients_are_served(app):

@@ -12,9 +12,12 @@ and a fast one relayed all 1600 tokens inside an 8 s pull.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections import Counter
 
+import jsonschema
 import pytest
 
 from app.config import PDDConfig, RoleName
@@ -24,7 +27,7 @@ from app.sim.calibrate import take_app_steps
 from app.sim.fitting import serving_overhead_ms
 from app.sim.perf import chunk_attention_pairs
 from tests.conftest import local_args, set_wan
-from tests.integration.conftest import completion, deploy_app
+from tests.integration.conftest import completion, deploy_app, list_schema
 from tests.integration.relaying import WAN, api, assert_crossed_every_engine, fresh, relayed_while_wan_held, wait_wan_idle
 
 LONG = 2400
@@ -155,6 +158,28 @@ def test_vllms_sampling_extensions_hold_on_every_engine_the_request_crossed(app,
     assert_crossed_every_engine(journey)
     assert relayed == completion(app, prompt, 300, mode="colocated", **params)[0]
     assert relayed != completion(app, prompt, 300, mode="colocated", **{**params, "repetition_penalty": 1.0})[0]
+
+
+LIST = list_schema(10)
+
+
+@pytest.mark.parametrize("mode", ["one_shot", "catch_up"])
+def test_a_structured_answer_handed_over_mid_object_satisfies_its_schema_and_is_the_colocated_one(app, knobs, mode):
+    """P writes the answer's first token, RLD the next 64, MD the rest: each engine's grammar
+    starts where the engines before it stopped, so no engine opens the object again."""
+    knobs(handoff={"relay_cap_tokens": 64, "min_relay_cap_tokens": 64, "mode": mode, "catch_up_threshold_tokens": 16})
+    prompt, constrained = fresh(LONG), {"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": LIST}}}
+    relayed, journey = completion(app, prompt, 700, **constrained)
+    assert_crossed_every_engine(journey)
+    assert journey["handoff"]["point"] < journey["completion_tokens"] - 100  # MD took over inside the list
+    jsonschema.validate(json.loads(relayed), LIST)
+    assert relayed == completion(app, prompt, 700, mode="colocated", **constrained)[0]
+    seeded = {"temperature": 1.0, "seed": 3, "structured_outputs": {"regex": "([a-z]{3}-[0-9]{2} ){40}"}}
+    prompt = fresh(LONG)
+    sampled, journey = completion(app, prompt, 400, **seeded)
+    assert re.fullmatch("([a-z]{3}-[0-9]{2} ){40}", sampled), sampled
+    assert "main_decode" in dict(journey["token_sources"])
+    assert sampled == completion(app, prompt, 400, mode="colocated", **seeded)[0]
 
 
 def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.engine.carried_sampling import SAMPLED_BEFORE, CarriedSamplingUnavailable, _adopt, check, extra_args, install, with_carried
-from app.engine.token_channel import SamplingOptions
+from app.engine.carried_sampling import SAMPLED_BEFORE, CarriedSamplingUnavailable, _adopt, check, extra_args, grammar_past_carried, install, with_carried
+from app.engine.token_channel import Constraint, SamplingOptions
 
 
 def test_a_continuation_counts_every_engine_before_it():
@@ -29,6 +29,28 @@ def test_only_a_continuation_whose_sampling_depends_on_earlier_output_tells_the_
     assert args(presence_penalty=-1.0, sampled_before=3) == {SAMPLED_BEFORE: 3}
     assert args(sampled_before=25) == {}  # unseeded, unpenalised: nothing to line up
     assert args(seed=7, frequency_penalty=1.0) == {}  # the request's first engine
+
+
+def test_a_constrained_continuation_tells_the_engine_and_its_grammar_starts_past_the_earlier_output():
+    assert extra_args(SamplingOptions(max_tokens=9, constraint=Constraint(regex="[a-z]+")).continued(3)) == {SAMPLED_BEFORE: 3}
+
+    class Grammar:
+        def __init__(self):
+            self.accepted = []
+
+        def accept_tokens(self, request_id, tokens):
+            self.accepted += tokens
+            return 99 not in tokens
+
+    create = grammar_past_carried(lambda manager, request: Grammar())
+
+    def request(prompt, extra):
+        return SimpleNamespace(request_id="r", prompt_token_ids=prompt, sampling_params=SimpleNamespace(extra_args=extra))
+
+    assert create(None, request([1, 2, 3, 4], {SAMPLED_BEFORE: 2})).accepted == [3, 4]
+    assert create(None, request([1, 2, 3, 4], None)).accepted == []  # the request's own answer starts at its first token
+    with pytest.raises(ValueError, match="do not satisfy"):  # no engine writes on from output its grammar refuses
+        create(None, request([1, 99], {SAMPLED_BEFORE: 1}))
 
 
 def test_a_penalised_continuation_counts_the_prompts_tail_as_output():

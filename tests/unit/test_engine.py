@@ -44,3 +44,16 @@ def test_a_replica_asked_to_empty_another_replicas_prefix_cache_says_it_did_not(
     assert Engine.resets == 0
     assert asyncio.run(EngineServer.reset_prefix_cache(replica, target_replica="md-1")) is True  # type: ignore[arg-type]
     assert Engine.resets == 1
+
+
+def test_engines_build_constraints_with_the_backend_the_ingress_checks_them_with():
+    from app.config import PDDConfig, RoleName
+    from app.engine.engine_args import engine_args
+    from tests.conftest import local_args
+
+    args = local_args()
+    so = engine_args(PDDConfig.model_validate(args), RoleName.main_decode).structured_outputs_config
+    assert (so.backend, so.disable_any_whitespace) == ("xgrammar", True)  # the dev model: no optional whitespace
+    args["roles"]["main_decode"]["engine"]["extra"] = {"structured_outputs_config": {"disable_any_whitespace": False}}
+    so = engine_args(PDDConfig.model_validate(args), RoleName.main_decode).structured_outputs_config
+    assert (so.backend, so.disable_any_whitespace) == ("xgrammar", False)  # the operator's choice wins, field by field

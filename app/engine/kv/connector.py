@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from app.config import PullOrder, SecurityConfig
+from app.engine import carried_sampling
 from app.engine.cluster_tls import ClusterTLS, Credentials
 from app.engine.kv.leases import LeaseIds, LeaseTable
 from app.engine.kv.limits import ConnectionLimits
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+# The scheduler side loads in vLLM's engine core, where grammars are made: continued ones start past the carried output.
+carried_sampling.install()
 
 
 @dataclass(frozen=True)
