@@ -419,6 +419,23 @@ def test_a_constraint_the_engines_cannot_build_is_a_400_naming_its_field(client)
     assert chat(client).choices[0].message.content  # and the engines serve on
 
 
+@pytest.mark.parametrize(("backend", "endpoint"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllms_benchmark_client_runs_against_the_app_with_no_failed_request(app, monkeypatch, backend, endpoint):
+    """vllm.benchmarks.serve, as people run it against any vLLM-style server: its own request
+    fields (repetition_penalty, ignore_eos, ...) on a random dataset."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = f"--backend {backend} --base-url {app.base_url} --endpoint {endpoint} --model {MODEL} --tokenizer {ensure_devmodel()} "
+    args += "--dataset-name random --random-input-len 64 --random-output-len 16 --num-prompts 12 --max-concurrency 6 --num-warmups 0 --disable-tqdm"
+    result = main(parser.parse_args(args.split()))
+    assert (result["completed"], result["failed"]) == (12, 0), result["errors"]
+    assert result["total_output_tokens"] == 12 * 16  # ignore_eos and max_tokens, as the client asked
+
+
 def test_langchain_openai_clients_are_served(app):
     from langchain_openai import ChatOpenAI, OpenAI
 
