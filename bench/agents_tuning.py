@@ -6,14 +6,16 @@ the config file's fleet costs (`--budget`); every fleet here stays within it
 and within each role's max_replicas, and the agents get it as
 `agents.max_cost_per_hour`. Offered load: `--load-share` (0.9) of the SLA
 goodput of the config file's own fleet and knobs, the load that fleet is
-sized for (`--rps` to fix it). The agents' knob intent is the config file's.
+sized for (`--rps` to fix it). The agents' intent (knobs and replicas they return
+toward once a situation clears) is the bad start itself, as when the operator's
+mistake is in the file (`--intent file`: the config file's).
 Every number derived from the config is printed at the start.
 
 Agents. The start is deliberately bad (`--start...`): half the file's prefill
 replicas, one relay replica more, main decode filling the rest of the budget
 (prefill starved, decode over-provisioned); the WAN threshold at its upper
 bound (every request on P-MD) and forced catch-up handoff at the lowest
-catch-up threshold. Each tick simulates the offered traffic with the current
+catch-up threshold; the relay cap as the file has it (`--start-cap`). Each tick simulates the offered traffic with the current
 knobs and replicas from a warm start (app/sim/twin.py; `--cold-start` for cold
 caches), `--warmup-s` of warm-up, then the agents' evaluation window
 `slo.window_s`, turns the window into the agents' Snapshot (agents/twin.py
@@ -93,6 +95,7 @@ ROLES = (RoleName.prefill, RoleName.relay_decode, RoleName.main_decode)
 SHORT = {RoleName.prefill: "P", RoleName.relay_decode: "RLD", RoleName.main_decode: "MD"}
 THRESHOLD = "routing.max_wan_transfer_ms"
 CATCH_UP = "handoff.catch_up_threshold_tokens"
+CAP = "handoff.relay_cap_tokens"
 #: What-if traffic: the same kind as the cluster's, other sessions (seed offset).
 WHAT_IF_SEED = 100
 #: Goodput searches start here and double: the same probes whatever the offered load.
@@ -254,7 +257,7 @@ class AgentRun:
         return changed[-1] + 1 if changed else 0
 
 
-def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: int, what_if: bool) -> AgentRun:
+def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: int, what_if: bool, intent_is_start: bool) -> AgentRun:
     setup = twin.setup
     config = setup.config
     oracle = None
@@ -262,7 +265,7 @@ def run_agents(twin: Twin, start: Point, seed: int, *, max_ticks: int, stable: i
         oracle = TwinWhatIf(
             setup.traffic(seed + WHAT_IF_SEED), window_s=setup.window_s, end_s=setup.span_s, seed=seed + WHAT_IF_SEED, warm_start=setup.warm_start
         )
-    agent = TwinAgent(config, what_if=oracle)
+    agent = TwinAgent(fleet_config(config, start.fleet, start.knobs) if intent_is_start else config, what_if=oracle)
     out = AgentRun(seed)
     point, quiet = start, 0
     for k in range(max_ticks):
@@ -433,7 +436,10 @@ def start_point(config: PDDConfig, budget: float, a: argparse.Namespace) -> Poin
     bounds = config.agents.bounds
     threshold = a.start_threshold if a.start_threshold is not None else bounds[THRESHOLD].max
     catch_up = a.start_catch_up if a.start_catch_up is not None else int(bounds[CATCH_UP].min)
-    knobs = with_knobs(config.live_knobs(), {THRESHOLD: threshold, "handoff.mode": a.start_mode, CATCH_UP: catch_up})
+    changes = {THRESHOLD: threshold, "handoff.mode": a.start_mode, CATCH_UP: catch_up}
+    if a.start_cap is not None:
+        changes[CAP] = a.start_cap
+    knobs = with_knobs(config.live_knobs(), changes)
     return Point(replicas, knobs)
 
 
@@ -456,6 +462,8 @@ def main() -> None:
     ap.add_argument("--start-threshold", type=float, help="WAN threshold at the start (default: its upper bound)")
     ap.add_argument("--start-mode", default="catch_up")
     ap.add_argument("--start-catch-up", type=int, help="catch-up threshold at the start (default: its lower bound)")
+    ap.add_argument("--start-cap", type=int, help="relay cap at the start (default: the config file's)")
+    ap.add_argument("--intent", choices=["start", "file"], default="start", help="the knobs and replicas the agents hold as intent")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0, 25, 50, 100, 200, 300, 1000, 5000])
     ap.add_argument("--modes", nargs="+", default=["one_shot", "catch_up", "auto"])
     ap.add_argument("--caps", type=int, nargs="+", default=[128, 512, 2048])
@@ -504,7 +512,7 @@ def main() -> None:
     t_sweep = time.perf_counter() - t_sweep
 
     t_agents = time.perf_counter()
-    options = dict(max_ticks=a.ticks, stable=a.stable, what_if=a.what_if)
+    options = dict(max_ticks=a.ticks, stable=a.stable, what_if=a.what_if, intent_is_start=a.intent == "start")
     with progress.steps(console, "agent runs", len(seeds)) as step:
         if jobs > 1 and len(seeds) > 1:  # a seed's ticks run in turn, the seeds side by side
             alone = run_all(partial(_agents_alone, setup, start=start, **options), seeds, jobs=jobs, on_done=lambda i, _: step(f"seed {seeds[i]}"))
