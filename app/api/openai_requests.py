@@ -78,6 +78,7 @@ class Unsupported:
 
 
 _NO_TOOLS = "tool calls are not served"
+_TEXT_ONLY = "a text-only model"
 
 
 _PER_ENGINE = "an engine-wide option of vLLM's xgrammar backend: roles.<role>.engine.extra.structured_outputs_config"
@@ -226,8 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Annotated[Any, Unsupported(_NO_TOOLS, True, False)] = None
     functions: Annotated[Any, Unsupported(_NO_TOOLS, [])] = None
     function_call: Annotated[Any, Unsupported(_NO_TOOLS, "none")] = None
-    modalities: Annotated[Any, Unsupported(_NO_TOOLS, ["text"])] = None
-    audio: Annotated[Any, Unsupported(_NO_TOOLS)] = None
+    modalities: Annotated[Any, Unsupported(_TEXT_ONLY, ["text"])] = None
+    audio: Annotated[Any, Unsupported(_TEXT_ONLY)] = None
     web_search_options: Annotated[Any, Unsupported("no web search")] = None
     prediction: Annotated[Any, Unsupported("no predicted outputs")] = None
     moderation: Annotated[Any, Unsupported("no moderation")] = None

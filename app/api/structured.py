@@ -3,7 +3,7 @@ one engine `Constraint` and checked here by the engines' grammar backend (xgramm
 schema, regex or grammar is a 400 naming its field rather than a request every engine fails.
 
 Engines run xgrammar unless `roles.<role>.engine.extra.structured_outputs_config` says
-otherwise (app/engine/replica.py); a constraint crosses engines with the answer, and each
+otherwise (app/engine/engine_args.py); a constraint crosses engines with the answer, and each
 engine's grammar starts past the output the engines before it produced
 (app/engine/carried_sampling.py).
 """

@@ -78,7 +78,7 @@ _carried_rows: contextvars.ContextVar[list[list[int] | None] | None] = contextva
 
 def extra_args(sampling: SamplingOptions) -> dict[str, Any]:
     """What an engine request adds to vLLM's `extra_args`: nothing unless it continues a
-    request whose sampling depends on the output before it (a seed, a penalty)."""
+    request whose sampling depends on the output before it (a seed, a penalty, a constraint)."""
     depends = sampling.seed is not None or penalised(sampling) or sampling.constraint is not None
     return {SAMPLED_BEFORE: sampling.sampled_before} if depends and sampling.sampled_before > 0 else {}
 
@@ -162,7 +162,8 @@ def grammar_past_carried(create: Any) -> Any:
 
 def install() -> None:
     """Patch vLLM's model runner, sampler and structured-output manager, once per process
-    (engine workers and the engine core import app.engine.kv.control)."""
+    (workers import app.engine.kv.control; the engine core, where grammars are made,
+    app.engine.kv.connector)."""
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
