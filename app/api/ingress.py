@@ -41,6 +41,7 @@ from app.api.openai_responses import (
 )
 from app.api.sampling import sampling_options, truncated
 from app.api.streams import all_of, merge_streams, prompt_only, sse
+from app.api.tool_calls import ToolCalling
 from app.conductor.conductor import Conductor
 from app.conductor.engine_client import EngineClient
 from app.conductor.generation import GenerationRequest, Output
@@ -193,13 +194,14 @@ class ConductorIngress:
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
             raise APIError(400, "This model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.model_dump(include={"role", "tool_calls", "tool_call_id"}, exclude_none=True) | {"content": m.text()} for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
             if body.add_special_tokens:  # the template's text, tokenized with BOS and the like added, as vLLM does
-                text: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text: Any = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
                 ids: Any = self.tokenizer(text, add_special_tokens=True)["input_ids"]
             else:  # a list of ids, or a BatchEncoding (by transformers' version)
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - templates raise anything on odd input
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -330,9 +332,10 @@ class ConductorIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         caller = self.keys.caller(request)
         self._check_model(body.model)
-        constraint = await structured.check(structured.constraint(body.response_format, body.structured_outputs, body.ignore_eos))
+        tools, tool_constraint = ToolCalling.of(body)
+        constraint = await structured.check(tool_constraint or structured.constraint(body.response_format, body.structured_outputs, body.ignore_eos))
         request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl", constraint=constraint)
-        return await self._respond(caller, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text))
+        return await self._respond(caller, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text, tools))
 
     @api.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(self, body: CompletionRequest, request: Request):

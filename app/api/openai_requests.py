@@ -77,7 +77,7 @@ class Unsupported:
         return {**handler(schema), "description": f"Not supported ({self.why})", "enum": list(self.accepted)}
 
 
-_NO_TOOLS = "tool calls are not served"
+_LEGACY_FUNCTIONS = "deprecated by OpenAI; send tools and tool_choice"
 _TEXT_ONLY = "a text-only model"
 
 
@@ -191,11 +191,48 @@ class TextContentPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="The arguments' JSON schema (none: an empty object)")
+    strict: bool | None = Field(default=None, description="Accepted; arguments always satisfy the schema")
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text, as the model wrote it")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id and the like carry no meaning here
+    model_config = ConfigDict(extra="ignore")  # a name carries no meaning here
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="An assistant turn's calls, rendered into the prompt by the chat template")
+    tool_call_id: str | None = Field(default=None, description="A tool turn: the call it answers")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -222,11 +259,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = Field(default=None, description="Each output token's log probability (the model's, before sampling's penalties and biases)")
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(default=None, description="With logprobs: the most likely tokens at each place")
-    tools: Annotated[Any, Unsupported(_NO_TOOLS, [])] = None
-    tool_choice: Annotated[Any, Unsupported(_NO_TOOLS, "none")] = None
-    parallel_tool_calls: Annotated[Any, Unsupported(_NO_TOOLS, True, False)] = None
-    functions: Annotated[Any, Unsupported(_NO_TOOLS, [])] = None
-    function_call: Annotated[Any, Unsupported(_NO_TOOLS, "none")] = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="none, required or a named function (auto, the default with tools, needs a tool-call parser: not served yet)"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="With tool_choice required: false allows one call")
+    functions: Annotated[Any, Unsupported(_LEGACY_FUNCTIONS, [])] = None
+    function_call: Annotated[Any, Unsupported(_LEGACY_FUNCTIONS, "none")] = None
     modalities: Annotated[Any, Unsupported(_TEXT_ONLY, ["text"])] = None
     audio: Annotated[Any, Unsupported(_TEXT_ONLY)] = None
     web_search_options: Annotated[Any, Unsupported("no web search")] = None

@@ -11,6 +11,8 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 
+from app.api.openai_requests import ToolCall
+from app.api.tool_calls import ToolCalling, new_call
 from app.engine.token_channel import TokenLogprob
 
 
@@ -63,7 +65,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -83,9 +86,22 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -151,18 +167,25 @@ TokenText = Callable[[int], str]
 class ChatRenderer:
     """Chat completion bodies and stream chunks for one request."""
 
-    def __init__(self, request_id: str, model: str, token_text: TokenText):
+    def __init__(self, request_id: str, model: str, token_text: TokenText, tools: ToolCalling | None = None):
         self.id, self.model, self.created = request_id, model, now()
         self.token_text = token_text
+        self.tools = tools
+        self._call_ids: dict[int, str] = {}  # a named call's id, once its first delta left (by choice)
+        self._held: dict[int, list[str]] = {}  # the text of a required call's answer so far (by choice)
 
     def opening(self, index: int) -> str:
-        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=None if self.tools else "")))
 
     def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None, want_ids: bool) -> str:
+        message = DeltaMessage(content=text or None)
+        if self.tools is not None:
+            message = self._call_delta(self.tools, index, text, finish)
+            finish = self.tools.finish_reason(finish, bool(message.tool_calls))
         return self._chunk(
             ChatChunkChoice(
                 index=index,
-                delta=DeltaMessage(content=text or None),
+                delta=message,
                 finish_reason=finish,
                 logprobs=self._logprobs(token_ids, logprobs),
                 token_ids=token_ids if want_ids else None,
@@ -181,13 +204,46 @@ class ChatRenderer:
             choices=[
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=c.text),
-                    finish_reason=c.finish_reason,
+                    message=message,
+                    finish_reason=finish,
                     logprobs=self._logprobs(c.token_ids, c.logprobs),
                     token_ids=c.token_ids if want_ids else None,
                 )
                 for i, c in enumerate(choices)
+                for message, finish in [self._message(c)]
             ],
+        )
+
+    def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
+        calls = None if self.tools is None else self.tools.calls(choice.text)
+        if self.tools is None or calls is None:  # text, or calls cut short: the text as it came
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        return AssistantMessage(content=None, tool_calls=calls), self.tools.finish_reason(choice.finish_reason, True)
+
+    def _call_delta(self, tools: ToolCalling, index: int, text: str, finish: str | None) -> DeltaMessage:
+        """A named call streams its arguments as they come; a required answer is held until it
+        ends, then sent as its calls (or as text, when cut short)."""
+        if tools.named is not None:
+            first = index not in self._call_ids
+            if first:
+                self._call_ids[index] = new_call(tools.named, "").id
+            elif not text:
+                return DeltaMessage()
+            function = DeltaFunction(name=tools.named if first else None, arguments=text)
+            call = DeltaToolCall(index=0, id=self._call_ids[index], type="function", function=function) if first else DeltaToolCall(index=0, function=function)
+            return DeltaMessage(tool_calls=[call])
+        self._held.setdefault(index, []).append(text)
+        if finish is None:
+            return DeltaMessage()
+        whole = "".join(self._held.pop(index))
+        calls = tools.calls(whole)
+        if calls is None:
+            return DeltaMessage(content=whole or None)
+        return DeltaMessage(
+            tool_calls=[
+                DeltaToolCall(index=i, id=c.id, type="function", function=DeltaFunction(name=c.function.name, arguments=c.function.arguments))
+                for i, c in enumerate(calls)
+            ]
         )
 
     def _entry(self, token_id: int, logprob: float) -> dict:

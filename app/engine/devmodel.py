@@ -27,7 +27,7 @@ from pathlib import Path
 import typer
 
 #: Bump when anything below changes what is built; it names the cache folder.
-DEVMODEL_VERSION = 2
+DEVMODEL_VERSION = 3
 SEED = 1234
 VOCAB_SIZE = 512
 HIDDEN_SIZE = 256
@@ -37,10 +37,17 @@ MAX_POSITIONS = 16384
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
+# Tools go in a system turn and an assistant's calls between <tool_call> markers (Hermes'
+# shape), so agents' conversations with tool turns render as one growing prefix.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>tools: {{ tools | tojson }}<|end|>{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' }}{{ message['content'] }}{{ '<|end|>' }}"
+    "{{ '<|' + message['role'] + '|>' }}{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}</tool_call>'
+    "{% endfor %}"
+    "{{ '<|end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

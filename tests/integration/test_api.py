@@ -376,7 +376,7 @@ def test_known_openai_fields_asking_for_nothing_are_accepted_and_others_refused_
     ok = _post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "best_of": 1, "echo": False, "suffix": None})
     assert ok.status_code == 200, ok.text
     for path, field, value, reason in (
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "not supported (tool calls are not served)"),
+        ("/v1/chat/completions", "functions", [{"name": "f"}], "not supported (deprecated by OpenAI; send tools and tool_choice)"),
         ("/v1/chat/completions", "store", True, "not supported (completions are not stored); leave it out or send null or false"),
         ("/v1/chat/completions", "reasoning_effort", "high", "not supported (not a reasoning model); leave it out or send null"),
         ("/v1/chat/completions", "service_tier", "priority", 'not supported (one service tier); leave it out or send null or "auto" or "default"'),
@@ -417,6 +417,52 @@ def test_a_constraint_the_engines_cannot_build_is_a_400_naming_its_field(client)
         chat(client, extra_body={"structured_outputs": {"regex": "a(b"}})
     assert info.value.body["param"] == "structured_outputs.regex" and "parenthesis" in info.value.body["message"]
     assert chat(client).choices[0].message.content  # and the engines serve on
+
+
+LOGS = {
+    "type": "object",
+    "properties": {"lines": {"type": "integer", "minimum": 1, "maximum": 500}, "level": {"enum": ["error", "warning"]}},
+    "required": ["lines", "level"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "read_logs", "description": "Read the last lines of the log", "parameters": LOGS}},
+    {"type": "function", "function": {"name": "restart", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
+
+
+def test_tool_calls_are_valid_calls_streamed_and_not_and_the_conversation_goes_on(client):
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    whole = chat(client, tools=TOOLS, tool_choice="required", max_tokens=200)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.tool_calls
+    for call in whole.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    streamed: dict[int, dict] = {}
+    for chunk in chat(client, tools=TOOLS, tool_choice="required", max_tokens=200, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            got = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            got["name"] += delta.function.name or ""
+            got["arguments"] += delta.function.arguments or ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls
+    ]
+    named = chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_logs"}}, max_tokens=200)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "read_logs" and named.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), LOGS)
+    history = [
+        {"role": "user", "content": "Summarize the log file."},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:01 error disk full"},
+    ]
+    after = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+    assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
+    without_call = client.chat.completions.create(model=MODEL, messages=[history[0], history[2]], tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+    assert after.usage.prompt_tokens > without_call.usage.prompt_tokens  # the call is in the prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, tools=TOOLS)  # auto, OpenAI's default with tools
+    assert info.value.body["param"] == "tool_choice" and "required" in info.value.body["message"]
 
 
 @pytest.mark.parametrize(("backend", "endpoint"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])

@@ -19,9 +19,11 @@ from collections import Counter
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from app.config import PDDConfig, RoleName
 from app.engine.deployments import DEPLOYMENT_NAMES
+from app.engine.devmodel import ensure_devmodel
 from app.ops.faults import Faults
 from app.sim.calibrate import take_app_steps
 from app.sim.fitting import serving_overhead_ms
@@ -180,6 +182,34 @@ def test_a_structured_answer_handed_over_mid_object_satisfies_its_schema_and_is_
     assert re.fullmatch("([a-z]{3}-[0-9]{2} ){40}", sampled), sampled
     assert "main_decode" in dict(journey["token_sources"])
     assert sampled == completion(app, prompt, 400, mode="colocated", **seeded)[0]
+
+
+def test_a_tool_call_handed_over_mid_arguments_is_a_valid_call_and_the_colocated_one(app, knobs):
+    """tool_choice required: the engines write the call list under its schema, P then RLD then MD."""
+    knobs(handoff=RELAY_64_ONE_SHOT)
+    tools = [{"type": "function", "function": {"name": "file_items", "parameters": LIST}}]
+    content = AutoTokenizer.from_pretrained(str(ensure_devmodel())).decode(fresh(LONG))  # a prompt no engine has seen
+
+    def ask(**extra):
+        return api(app).chat.completions.create(
+            model="pdd-dev",
+            messages=[{"role": "user", "content": content}],
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=700,
+            temperature=0,
+            **extra,
+        )
+
+    relayed = ask()
+    assert_crossed_every_engine(app.journey(relayed.id))
+    (call,) = relayed.choices[0].message.tool_calls
+    assert call.function.name == "file_items" and relayed.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), LIST)
+    (colocated,) = ask(extra_body={"pdd_mode": "colocated"}).choices[0].message.tool_calls
+    streamed = "".join(d.function.arguments or "" for c in ask(stream=True) if c.choices for d in c.choices[0].delta.tool_calls or [])
+    assert call.function.arguments == colocated.function.arguments == streamed
 
 
 def test_a_logit_bias_applies_on_every_engine_the_request_crossed(app, knobs):
