@@ -41,7 +41,7 @@ from app.api.openai_responses import (
 )
 from app.api.sampling import sampling_options, truncated
 from app.api.streams import all_of, merge_streams, prompt_only, sse
-from app.api.tool_calls import ToolCalling
+from app.api.tool_calls import ToolCalling, parser_factory
 from app.conductor.conductor import Conductor
 from app.conductor.engine_client import EngineClient
 from app.conductor.generation import GenerationRequest, Output
@@ -73,6 +73,7 @@ class ConductorIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(self.config.model.source))
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError("model.source: pdd-serve needs a model with a fast (tokenizers) tokenizer")
+        self._tool_parsers = parser_factory(self.config.model.tool_call_parser, self.tokenizer)
         self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
         self._anchor_text = self.tokenizer.decode([self._anchor])
         self._token_texts: dict[int, str] = {}
@@ -332,7 +333,7 @@ class ConductorIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         caller = self.keys.caller(request)
         self._check_model(body.model)
-        tools, tool_constraint = ToolCalling.of(body)
+        tools, tool_constraint = ToolCalling.of(body, self._tool_parsers)
         constraint = await structured.check(tool_constraint or structured.constraint(body.response_format, body.structured_outputs, body.ignore_eos))
         request_id, gens = self._generation_requests(body, [self._chat_prompt(body)], body.requested_max_tokens(), "chatcmpl", constraint=constraint)
         return await self._respond(caller, body, request_id, gens, ChatRenderer(request_id, body.model, self._token_text, tools))

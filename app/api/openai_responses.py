@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel
 
 from app.api.openai_requests import ToolCall
-from app.api.tool_calls import ToolCalling, new_call
+from app.api.tool_calls import ParsedCalls, ToolCalling, new_call
 from app.engine.token_channel import TokenLogprob
 
 
@@ -173,6 +173,8 @@ class ChatRenderer:
         self.tools = tools
         self._call_ids: dict[int, str] = {}  # a named call's id, once its first delta left (by choice)
         self._held: dict[int, list[str]] = {}  # the text of a required call's answer so far (by choice)
+        self._parsed: dict[int, ParsedCalls] = {}  # auto: each choice's parser
+        self._called: set[int] = set()  # choices that streamed a call
 
     def opening(self, index: int) -> str:
         return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=None if self.tools else "")))
@@ -180,8 +182,9 @@ class ChatRenderer:
     def delta(self, index: int, text: str, finish: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None, want_ids: bool) -> str:
         message = DeltaMessage(content=text or None)
         if self.tools is not None:
-            message = self._call_delta(self.tools, index, text, finish)
-            finish = self.tools.finish_reason(finish, bool(message.tool_calls))
+            message = self._call_delta(self.tools, index, text, finish, token_ids)
+            self._called.update([index] if message.tool_calls else [])
+            finish = self.tools.finish_reason(finish, index in self._called)
         return self._chunk(
             ChatChunkChoice(
                 index=index,
@@ -215,14 +218,25 @@ class ChatRenderer:
         )
 
     def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
-        calls = None if self.tools is None else self.tools.calls(choice.text)
-        if self.tools is None or calls is None:  # text, or calls cut short: the text as it came
+        if self.tools is None:
             return AssistantMessage(content=choice.text), choice.finish_reason
-        return AssistantMessage(content=None, tool_calls=calls), self.tools.finish_reason(choice.finish_reason, True)
+        content, calls = self.tools.calls(choice.text)  # calls cut short: the text as it came
+        return AssistantMessage(content=content, tool_calls=calls), self.tools.finish_reason(choice.finish_reason, calls is not None)
 
-    def _call_delta(self, tools: ToolCalling, index: int, text: str, finish: str | None) -> DeltaMessage:
+    def _call_delta(self, tools: ToolCalling, index: int, text: str, finish: str | None, token_ids: list[int]) -> DeltaMessage:
         """A named call streams its arguments as they come; a required answer is held until it
-        ends, then sent as its calls (or as text, when cut short)."""
+        ends, then sent as its calls (or as text, when cut short); auto streams what the parser finds."""
+        if tools.parse is not None:
+            parsed = self._parsed.get(index) or self._parsed.setdefault(index, tools.parse())
+            said, found = parsed.step(text, token_ids)
+            return DeltaMessage(
+                content=said or None,
+                tool_calls=[
+                    DeltaToolCall(index=c.index, id=c.id, type=c.type, function=DeltaFunction(name=c.function.name, arguments=c.function.arguments))
+                    for c in found
+                ]
+                or None,
+            )
         if tools.named is not None:
             first = index not in self._call_ids
             if first:
@@ -235,10 +249,9 @@ class ChatRenderer:
         self._held.setdefault(index, []).append(text)
         if finish is None:
             return DeltaMessage()
-        whole = "".join(self._held.pop(index))
-        calls = tools.calls(whole)
+        content, calls = tools.calls("".join(self._held.pop(index)))
         if calls is None:
-            return DeltaMessage(content=whole or None)
+            return DeltaMessage(content=content or None)
         return DeltaMessage(
             tool_calls=[
                 DeltaToolCall(index=i, id=c.id, type="function", function=DeltaFunction(name=c.function.name, arguments=c.function.arguments))

@@ -44,6 +44,9 @@ class ModelConfig(StrictModel):
     vLLM's CPU attention needs a multiple of 32."""
     load_format: Literal["auto", "dummy", "safetensors"] = "auto"
     """`dummy` gives random weights of the model's shape (GPU benchmarks)."""
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser for this model's chat template (its registered name, e.g.
+    `hermes`), which finds calls in free text for `tool_choice: auto`; none: auto is refused."""
     spec: ModelSpec | None = None
     """Size figures for the digital twin; optional for serving."""
 

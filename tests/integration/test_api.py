@@ -460,9 +460,14 @@ def test_tool_calls_are_valid_calls_streamed_and_not_and_the_conversation_goes_o
     assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
     without_call = client.chat.completions.create(model=MODEL, messages=[history[0], history[2]], tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
     assert after.usage.prompt_tokens > without_call.usage.prompt_tokens  # the call is in the prompt
-    with pytest.raises(openai.BadRequestError) as info:
-        chat(client, tools=TOOLS)  # auto, OpenAI's default with tools
-    assert info.value.body["param"] == "tool_choice" and "required" in info.value.body["message"]
+    auto = chat(client, tools=TOOLS, max_tokens=40)  # OpenAI's default with tools: free text, vLLM's hermes parser reads it
+    said = auto.choices[0].message
+    assert said.content or said.tool_calls
+    if said.tool_calls is None:  # the random model wrote no call: the text is the answer, as the parser found it
+        assert (
+            auto.choices[0].finish_reason == "length"
+            and said.content == chat(client, max_tokens=40, tools=TOOLS, tool_choice="none").choices[0].message.content
+        )
 
 
 @pytest.mark.parametrize(("backend", "endpoint"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
