@@ -27,10 +27,17 @@ def constraint(response_format: ResponseFormat | None, structured: StructuredOut
         raise APIError(400, "structured_outputs: give it or response_format, not both", param="structured_outputs")
     if ignore_eos and (asked or structured is not None):
         raise APIError(400, "ignore_eos: a constrained answer ends where its constraint does", param="ignore_eos")
+    if response_format is not None and (response_format.type == "json_schema") != (response_format.json_schema is not None):
+        raise APIError(400, "response_format.json_schema: given with type json_schema, and only then", param="response_format.json_schema")
     if structured is not None:
-        fields = structured.constraint_fields()
-        name = next(k for k, v in fields.items() if v is not None)
-        value = fields[name]
+        fields = {k: v for k, v in structured.constraint_fields().items() if v is not None}
+        if len(fields) != 1:
+            raise APIError(
+                400,
+                f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object (got {', '.join(fields) or 'none'})",
+                param="structured_outputs",
+            )
+        ((name, value),) = fields.items()
         if name == "json" and isinstance(value, str):
             try:
                 value = json.loads(value)

@@ -60,6 +60,10 @@ def test_the_constraint_goes_to_every_engine_the_request_crosses():
         ),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ends"),
+        ({"structured_outputs": {}}, "structured_outputs", "got none"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "only then"),
+        ({"response_format": {"type": "json_object", "json_schema": {"name": "a", "schema": {}}}}, "response_format.json_schema", "only then"),
     ],
 )
 def test_a_constraint_the_engines_could_not_run_is_a_400_naming_its_field(fields, param, words):
@@ -72,15 +76,11 @@ def test_a_constraint_the_engines_could_not_run_is_a_400_naming_its_field(fields
 @pytest.mark.parametrize(
     "fields",
     [
-        {"structured_outputs": {}},
-        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
         {"structured_outputs": {"choice": []}},
         {"structured_outputs": {"json_object": False}},
         {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
         {"structured_outputs": {"structural_tag": "{}"}},
         {"structured_outputs": {"regex": "a", "backend": "guidance"}},
-        {"response_format": {"type": "json_schema"}},
-        {"response_format": {"type": "json_object", "json_schema": {"name": "a", "schema": {}}}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}}},
         {"response_format": {"type": "yaml"}},
     ],
