@@ -207,6 +207,7 @@ def test_a_tool_call_handed_over_mid_arguments_is_a_valid_call_and_the_colocated
     (call,) = relayed.choices[0].message.tool_calls
     assert call.function.name == "file_items" and relayed.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), LIST)
+    wait_wan_idle(app)  # MD's background pull done: the next answers run in batches of their own, as the first did
     (colocated,) = ask(extra_body={"pdd_mode": "colocated"}).choices[0].message.tool_calls
     streamed = "".join(d.function.arguments or "" for c in ask(stream=True) if c.choices for d in c.choices[0].delta.tool_calls or [])
     assert call.function.arguments == colocated.function.arguments == streamed
