@@ -227,7 +227,9 @@ class ChatRenderer:
         """A named call streams its arguments as they come; a required answer is held until it
         ends, then sent as its calls (or as text, when cut short); auto streams what the parser finds."""
         if tools.parse is not None:
-            parsed = self._parsed.get(index) or self._parsed.setdefault(index, tools.parse())
+            if index not in self._parsed:
+                self._parsed[index] = tools.parse()
+            parsed = self._parsed[index]
             said, found = parsed.step(text, token_ids)
             return DeltaMessage(
                 content=said or None,
