@@ -15,9 +15,12 @@ verification, and the worst-gap p99 must come back under the SLO.
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +85,14 @@ class Conversations(threading.Thread):
         self.sent: list[Sent] = []
         self.errors: list[str] = []
         self.stop = threading.Event()
+        self.pending: queue.Queue[tuple[Callable[[], None], Future[float]]] = queue.Queue()
+
+    def between_turns(self, action: Callable[[], None], timeout_s: float = 120) -> float:
+        """Run `action` on the client's thread between two turns (so no turn straddles it);
+        the time it ran."""
+        ran: Future[float] = Future()
+        self.pending.put((action, ran))
+        return ran.result(timeout=timeout_s)
 
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 500) for _ in range(n)]
@@ -89,6 +100,11 @@ class Conversations(threading.Thread):
     def run(self) -> None:
         turn = 0
         while not self.stop.is_set():
+            while not self.pending.empty():
+                action, ran = self.pending.get()
+                at = time.monotonic()
+                action()
+                ran.set_result(at)
             history = self.histories[turn % CONVERSATIONS]
             history += self.fresh(TURN if history else FIRST_TURN)
             try:
@@ -177,8 +193,9 @@ def test_swarm_recovers_the_worst_gap_after_the_wan_degrades(app, prom, tmp_path
     traffic.start()
     try:
         healthy = traffic.wait_for(3 * CONVERSATIONS, 0)
-        degraded_at = time.monotonic()
-        Faults(APP).degrade_link(WAN, bandwidth_mbps=DEGRADED_MBPS)
+        # between turns: a turn whose pull straddled the change would teach routing's correction
+        # to relay the phase's first turns, and the phase would show no P-MD turn hurt
+        degraded_at = traffic.between_turns(lambda: Faults(APP).degrade_link(WAN, bandwidth_mbps=DEGRADED_MBPS))
         before = traffic.wait_for(PHASE_REQUESTS, degraded_at)
 
         with Swarm.open(config, app_name=APP, router=RuleRouter()) as swarm:
