@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import httpx
@@ -62,8 +63,9 @@ def fresh(n: int) -> list[int]:
 class Batch:
     """Concurrent streaming requests; `started` is set once each has some tokens."""
 
-    def __init__(self, app, prompts: list[list[int]], max_tokens: int, warm_tokens: int = 8):
+    def __init__(self, app, prompts: list[list[int]], max_tokens: int, warm_tokens: int = 8, extra: dict | None = None):
         self.app, self.prompts, self.max_tokens, self.warm_tokens = app, prompts, max_tokens, warm_tokens
+        self.extra = extra or {}
         self.texts: list[str | None] = [None] * len(prompts)
         self.errors: list[str | None] = [None] * len(prompts)
         self.ids: list[str] = [""] * len(prompts)
@@ -76,7 +78,12 @@ class Batch:
             parts, tokens = [], 0
             try:
                 stream = await client.completions.create(
-                    model="pdd-dev", prompt=self.prompts[i], max_tokens=self.max_tokens, temperature=0, stream=True, extra_body={"return_token_ids": True}
+                    model="pdd-dev",
+                    prompt=self.prompts[i],
+                    max_tokens=self.max_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"return_token_ids": True, **self.extra},
                 )
                 async for chunk in stream:
                     self.ids[i] = chunk.id
@@ -104,7 +111,7 @@ class Batch:
             if self.errors[i] is not None:
                 assert self.errors[i].strip() and "Error" in self.errors[i], self.errors[i]
                 continue
-            reference, _ = completion(app, prompt, self.max_tokens, mode="colocated")
+            reference, _ = completion(app, prompt, self.max_tokens, mode="colocated", **self.extra)
             assert self.texts[i] == reference, f"request {i} diverged"
             journeys.append(app.journey(self.ids[i]))
         return journeys
@@ -143,6 +150,11 @@ def wait_backlog_drained(app, timeout_s: float = 60) -> bool:
     return False
 
 
+#: Far longer than 300 tokens: the answers run to max_tokens under the grammar, which the
+#: replica taking over must continue from the tokens already sent, not from the start.
+PAIRS = r"([a-z]{3}-[0-9]{2} ){200}"
+
+
 def test_main_decoder_dies_mid_stream(app, faults, prom):
     # high-hit turns go P-MD: MD streams nearly every token
     prompts = [fresh(800) for _ in range(4)]
@@ -151,10 +163,11 @@ def test_main_decoder_dies_mid_stream(app, faults, prom):
     # the relay answered those: MD's warm-ups are still pulling, and a WAN backlog sends
     # the next turns through the relay; once MD holds the conversations they go P-MD
     assert wait_backlog_drained(app), "MD's warm-ups did not finish"
-    batch = Batch(app, [p + fresh(20) for p in prompts], max_tokens=300, warm_tokens=20)
+    batch = Batch(app, [p + fresh(20) for p in prompts], max_tokens=300, warm_tokens=20, extra={"structured_outputs": {"regex": PAIRS}})
     asyncio.run(batch.run(lambda: faults.kill_replica("MainDecode")))
     journeys = batch.check(app)
     assert not any(batch.errors), batch.errors
+    assert all(re.fullmatch(r"([a-z]{3}-[0-9]{2} )*[a-z]{0,3}(-[0-9]{0,2})?", t) for t in batch.texts), batch.texts
     moved = [j for j in journeys if j["failovers"]]
     assert moved, ("the killed MD served none of the batch?", [(j["pipeline"], j["decision"], j.get("handoff")) for j in journeys])
     for j in moved:
