@@ -26,7 +26,10 @@ With the digital twin's what-if (agents/whatif.py), a scale-up considers one
 more replica of every role that may grow (+1 within the ceiling, else each
 move that funds it) and takes the cheapest plan predicted to meet the SLO (the
 best predicted one when none does; a move only when the twin predicts it
-better than standing still); a scale-down happens only when the twin predicts
+better than standing still, and, for a situation that breaches no SLO (MD's
+hit behind, the bathtub valley), no worse at `HEADROOM` times today's load:
+such a move trades capacity for a better hit, and must not spend the margin
+the fleet keeps for growth). A scale-down happens only when the twin predicts
 the SLO still holds with margin. A twin that predicts the current fleet meets
 the SLO while the cluster breaches it does not reproduce the situation (sessions
 held back by a breach send fewer requests, so the measured rate understates
@@ -43,6 +46,7 @@ from agents.knobs import notice_target, replica_target
 from agents.proposal import Proposal
 from agents.situations import (
     BATHTUB_VALLEY,
+    GAP_BREACH,
     IDLE_LOAD,
     MD_HIT_BEHIND,
     OVER_PROVISIONED,
@@ -65,6 +69,9 @@ NAME = "capacity"
 DOWN_MARGIN = 0.8
 #: A decoder this loaded (requests per batch slot) counts as busy: RLD overload's exit threshold.
 DECODER_BUSY = RLD_LOAD[1]
+#: The load, against today's, at which a move for a situation that breaches no SLO must not predict worse.
+HEADROOM = 1.25
+SLO_BREACHES = (TTFT_BREACH, TPOT_BREACH, GAP_BREACH)
 
 
 def _role_config(view: View, role: RoleName) -> RoleConfig:
@@ -206,9 +213,10 @@ def _describe(plan: Plan) -> str:
     return ", ".join(f"{'+' if delta > 0 else '-'}1 {role.value}" for role, delta in plan)
 
 
-def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
-    """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still.
-    None (the rule decides) when the twin fails, or predicts the SLO met where the cluster breaches it."""
+def _twin_pick(view: View, s: Situation, frozen: set[RoleName]) -> tuple[Plan, str] | None:
+    """Cheapest plan the twin predicts to meet the SLO, else the best predicted; a move only if it beats standing still
+    (and, for `s` breaching no SLO, keeps the headroom). None (the rule decides) when the twin fails, or predicts
+    the SLO met where the cluster breaches it."""
     what_if = view.what_if
     if what_if is None:
         return None
@@ -216,21 +224,26 @@ def _twin_pick(view: View, frozen: set[RoleName]) -> tuple[Plan, str] | None:
     if not plans:
         return None
 
-    def score(fleet: dict[str, int]) -> float:
-        return predict(what_if, view.config, fleet, view.knobs, view.snap.request_rate).score(view.config)
+    def score(fleet: dict[str, int], load: float = 1.0) -> float:
+        return predict(what_if, view.config, fleet, view.knobs, view.snap.request_rate * load).score(view.config)
 
     try:
         still = score(dict(view.replicas))
         observed = f.slo_score(f.slo_figures(view.snap, view.config.slo))
         if observed is not None and observed > 1.0 and still <= 1.0:
             return None
-        scored = [(score(_fleet(view, plan)), _plan_cost(view, plan), plan) for plan in plans]
+        # a move (a replica taken from another role) only where it beats standing still
+        scored = [x for x in ((score(_fleet(view, plan)), _plan_cost(view, plan), plan) for plan in plans) if len(x[2]) == 1 or x[0] < still]
+        if not scored:
+            return (), f"twin predicts no replica move within the ${view.agents.max_cost_per_hour:g}/h ceiling beats SLO score {still:.2f}"
         meeting = [x for x in scored if x[0] <= 1.0]
         best, cost, plan = min(meeting, key=lambda x: (x[1], x[0])) if meeting else min(scored, key=lambda x: (x[0], x[1]))
+        if len(plan) > 1 and s.name not in SLO_BREACHES:
+            kept, moved = score(dict(view.replicas), HEADROOM), score(_fleet(view, plan), HEADROOM)
+            if moved > kept:
+                return (), f"twin predicts {_describe(plan)} would cost headroom: SLO score {kept:.2f} -> {moved:.2f} at {HEADROOM:g}x today's load"
     except Exception:  # a twin failure must not stop the rule-based answer
         return None
-    if len(plan) > 1 and best >= still:
-        return (), f"twin predicts no replica move within the ${view.agents.max_cost_per_hour:g}/h ceiling beats SLO score {still:.2f}"
     return plan, f"twin predicts SLO score {best:.2f} after {_describe(plan)} (${cost:+g}/h)"
 
 
@@ -252,7 +265,7 @@ def _rule_pick(view: View, role: RoleName, frozen: set[RoleName]) -> tuple[Plan,
 
 
 def _up(view: View, s: Situation, role: RoleName, frozen: set[RoleName]) -> list[Proposal]:
-    picked = _twin_pick(view, frozen) if view.what_if is not None else None
+    picked = _twin_pick(view, s, frozen) if view.what_if is not None else None
     if picked is None:
         picked = _rule_pick(view, role, frozen)
     if picked is None or not picked[0]:

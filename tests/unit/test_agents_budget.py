@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agents.controllers import fleet_cost
 from agents.guard import BLOCK_COOLDOWNS, guard
 from agents.knobs import Change
@@ -122,6 +124,30 @@ def test_capacity_does_not_move_when_the_twin_sees_no_gain():
         return {"ttft_ms": 4750, "tpot_ms": 20, "gap_ms": 200}
 
     assert not [p for p in propose_all(healthy_snapshot(**TTFT_BREACH), config=config, what_if=flat) if p.specialist == "capacity"]
+
+
+@pytest.mark.parametrize(("ttft_at_headroom_ms", "moves"), [(3000, False), (1000, True)])
+def test_a_move_for_md_hit_behind_keeps_the_headroom_the_twin_predicts(ttft_at_headroom_ms, moves):
+    """MD's hit trails P's and no SLO is breached: one replica of P's would raise MD's hit (the gap
+    falls at today's load), but must not leave the fleet worse at 1.25x the load."""
+    config = pdd_config(max_cost_per_hour=9)
+    snap = healthy_snapshot(prefix_hit_by_role={"prefill": 0.9, "main_decode": 0.6})  # no singular traffic to route elsewhere
+    asked = []
+
+    def what_if(config, replicas, knobs, load_rps):
+        asked.append(load_rps / snap.request_rate)
+        busier = load_rps > snap.request_rate * 1.1
+        ttft = 600 if replicas["prefill"] == 2 else (ttft_at_headroom_ms if busier else 800)
+        return {"ttft_ms": ttft, "tpot_ms": 20, "gap_ms": 900 if replicas["main_decode"] == 1 else 300}
+
+    # $2 x 2 + $2 + $2.5 = $8.5/h: +1 of any role passes $9/h; P gives one to MD or to RLD
+    fleet = {"prefill": 2, "relay_decode": 1, "main_decode": 1}
+    got = [p for p in propose_all(snap, config=config, what_if=what_if, replicas=fleet) if p.specialist == "capacity"]
+    assert pytest.approx(1.25) in asked
+    if moves:
+        assert [(p.change.target, p.change.new) for p in got] == [("replicas.prefill", 1), ("replicas.main_decode", 2)]
+    else:
+        assert got == []
 
 
 def test_a_move_rolled_back_again_is_blocked_twice_as_long():
