@@ -6,11 +6,12 @@ import asyncio
 import csv
 import json
 import os
+import random
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,43 @@ class LoadResult:
 
     def tpot_ms(self, q: float) -> float:
         return percentile([r.tpot_s for r in self.ok if r.completion_tokens > 1], q) * 1000
+
+
+class Replayed:
+    """What an agentic replay's requests got, by their index in the trace (each turn fills its own)."""
+
+    def __init__(self, trace: Sequence[Any]):
+        self.trace = trace
+        self.t0 = time.perf_counter()
+        self.records: list[RequestRecord | None] = [None] * len(trace)
+        self.ids: list[str] = [""] * len(trace)
+        self.sent: list[Any] = [None] * len(trace)
+
+
+async def replay_sessions(
+    trace: Sequence[Any], mode: str, seed: int, step: Callable[[str], None], turn: Callable[[Replayed, int, Any, random.Random], Awaitable[Any]]
+) -> tuple[LoadResult, list[str], list[Any]]:
+    """Sessions side by side, each one's turns in order: `turn(replayed, i, conversation, rng)` sends
+    request i after the conversation so far (None at a session's start) and returns it grown.
+    Returns the results, the request ids and the trace as sent; `step(name)` as each request ends."""
+    replayed = Replayed(trace)
+    sessions: dict[Any, list[int]] = {}
+    for i, r in enumerate(trace):
+        sessions.setdefault(r.session, []).append(i)
+    done = 0
+
+    async def session(turns: list[int]) -> None:
+        nonlocal done
+        rng = random.Random(seed * 1_000_003 + turns[0])
+        conversation = None
+        for i in turns:
+            conversation = await turn(replayed, i, conversation, rng)
+            done += 1
+            step(f"{mode} {done}/{len(trace)}")
+
+    await asyncio.gather(*(session(turns) for turns in sessions.values()))
+    records = [r for r in replayed.records if r is not None]
+    return LoadResult(mode, 0, time.perf_counter() - replayed.t0, records), replayed.ids, [r for r in replayed.sent if r is not None]
 
 
 async def _one(client, model: str, prompt: Any, max_tokens: int, extra_body: dict[str, Any]) -> RequestRecord:

@@ -12,7 +12,13 @@ conversation so far (previous prompt and the answer's token ids,
 - closed: `--agents` agents (4) at once, each running conversations one after
   another and sending each turn as soon as the last answer ends; outputs a mix
   of short tool calls and long answers.
-Measured at the client (official openai client, streaming).
+Measured at the client (official openai client, streaming). `--api` picks how
+turns are sent: `completions` (token ids, the default), or as chat
+conversations (bench/chat_replay.py): `chat` (user and assistant messages) or
+`tools` (short answers are tool calls, the next turn their tool message). The
+table's hit columns are the share of each prompt the engines found in their
+prefix caches (P's and MD's, from the journeys): a chat replay whose rendering
+broke the conversation's prefix would show it there.
 
 What each system is given: every engine of this host shares its two cores, so a
 system running more engines is slower for that reason alone. Each
@@ -52,7 +58,7 @@ Two worst-case latency figures per request:
   one included (max of TTFT and worst gap). Naive cross-DC PD hides its WAN
   transfer in TTFT, PDD in a relay: only this figure compares the two.
 
-    python bench/pipelines.py [--profile open|closed] [--requests 120] [--rps 1.0] [--calibration-requests N]
+    python bench/pipelines.py [--profile open|closed] [--api completions|chat|tools] [--requests 120] [--rps 1.0] [--calibration-requests N]
                               [--systems a,b,..] [--json out.json] [--gpu]
 """
 
@@ -61,11 +67,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +91,8 @@ from app.sim.calibrate import take_app_steps
 from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overhead_ms, serving_overheads
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
-from bench.common import OUT_DIR, LoadResult, LocalApp, RequestRecord, percentile, wait_http, write_outputs
+from bench.chat_replay import chat_replay
+from bench.common import OUT_DIR, LoadResult, LocalApp, Replayed, RequestRecord, percentile, replay_sessions, wait_http, write_outputs
 from tests.conftest import local_args, on_one_gpu, set_wan
 
 console = Console(width=160)
@@ -147,9 +155,16 @@ def journeys_path(mode: str) -> Path:
     return OUT_DIR / f"pipelines_journeys_{mode}.json"
 
 
-def fetch_journeys(base_url: str, ids: list[str]) -> list[dict]:
-    """The conductor's journeys of these requests ({} where a request got no id)."""
-    return [httpx.get(f"{base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
+def fetch_journeys(base_url: str, ids: list[str], timeout_s: float = 60) -> list[dict]:
+    """The conductor's journeys of these requests ({} where a request got no id), once every request
+    that reached MD has MD's report (its prefix hit: MD still warms up after a relay that ended the request)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        journeys = [httpx.get(f"{base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
+        waiting = [j for j in journeys if "MD" in (j.get("pipeline") or "") and "main_decode" not in (j.get("hit_tokens") or {})]
+        if not waiting or time.monotonic() > deadline:
+            return journeys
+        time.sleep(1)
 
 
 def workload(requests: int, rps: float, seed: int) -> AgenticWorkload:
@@ -202,27 +217,19 @@ def profile_trace(profile: str, requests: int, rps: float, seed: int, agents: in
 
 
 async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step: progress.Step) -> tuple[LoadResult, list[str], list[Request]]:
-    """Sessions run as agents (turns in order); returns results, request ids and the trace as sent.
-    `step(name)` as each request ends."""
+    """Sessions run as agents (turns in order), each turn's prompt the conversation's token ids;
+    returns results, request ids and the trace as sent. `step(name)` as each request ends."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
-    records: list[RequestRecord | None] = [None] * len(trace)
-    ids: list[str] = [""] * len(trace)
-    sent: list[Request | None] = [None] * len(trace)
-    sessions: dict = {}
-    for i, r in enumerate(trace):
-        sessions.setdefault(r.session, []).append(i)
-    t0 = time.perf_counter()
-    done = 0
 
-    async def one(i: int, conversation: list[int], rng: random.Random) -> list[int]:
-        r = trace[i]
+    async def one(replayed: Replayed, i: int, conversation: list[int] | None, rng: random.Random) -> list[int]:
+        r, conversation = trace[i], conversation or []
         keep = min(r.prefix_tokens, len(conversation), r.prompt_tokens - 1)
         prompt = conversation[:keep] + [rng.randrange(10, 500) for _ in range(r.prompt_tokens - keep)]
-        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - replayed.t0)))
         start = time.perf_counter()
-        sent[i] = r._replace(arrival_s=start - t0, prefix_tokens=keep)
+        replayed.sent[i] = r._replace(arrival_s=start - replayed.t0, prefix_tokens=keep)
         first = last = None
         gaps, tokens, output = [], 0, []
         try:
@@ -240,7 +247,7 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
                 extra_body={"prompt": prompt, "ignore_eos": True, "pdd_mode": mode, "return_token_ids": True},
             )
             async for chunk in stream:
-                ids[i] = chunk.id
+                replayed.ids[i] = chunk.id
                 now = time.perf_counter()
                 if chunk.choices:
                     output += chunk.choices[0].token_ids or []
@@ -253,23 +260,23 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
             end = time.perf_counter()
-            records[i] = RequestRecord((first or end) - start, end - start, tokens, gaps)
+            replayed.records[i] = RequestRecord((first or end) - start, end - start, tokens, gaps)
         except Exception as exc:  # noqa: BLE001 - a failure is a data point
-            records[i] = RequestRecord(float("nan"), time.perf_counter() - start, 0, error=f"{type(exc).__name__}: {exc}")
+            replayed.records[i] = RequestRecord(float("nan"), time.perf_counter() - start, 0, error=f"{type(exc).__name__}: {exc}")
         return prompt + output
 
-    async def session(turns: list[int]) -> None:
-        nonlocal done
-        rng = random.Random(seed * 1_000_003 + turns[0])
-        conversation: list[int] = []
-        for i in turns:
-            conversation = await one(i, conversation, rng)
-            done += 1
-            step(f"{mode} {done}/{len(trace)}")
+    try:
+        return await replay_sessions(trace, mode, seed, step, one)
+    finally:
+        await client.close()
 
-    await asyncio.gather(*(session(turns) for turns in sessions.values()))
-    await client.close()
-    return LoadResult(mode, 0, time.perf_counter() - t0, [r for r in records if r is not None]), ids, [r for r in sent if r is not None]
+
+Replay = Callable[[str, list[Request], str, int, progress.Step], Awaitable[tuple[LoadResult, list[str], list[Request]]]]
+
+
+def replayer(api: str) -> Replay:
+    """How turns are sent: token ids to completions, or chat conversations (plain or with tool calls)."""
+    return replay if api == "completions" else functools.partial(chat_replay, tools=api == "tools")
 
 
 def calibration_trace(requests: int, rps: float, seed: int, span_s: float, profile: str = "open", agents: int = 4) -> list[Request]:
@@ -284,12 +291,12 @@ def calibration_trace(requests: int, rps: float, seed: int, span_s: float, profi
     return list(scaled(trace, trace[-1].arrival_s / span_s)) if span_s > 0 and trace[-1].arrival_s > 0 else trace
 
 
-def calibrate(base_url: str, name: str, trace: list[Request], seed: int, config: PDDConfig, step: progress.Step) -> None:
+def calibrate(base_url: str, name: str, trace: list[Request], seed: int, config: PDDConfig, step: progress.Step, send: Replay) -> None:
     """Serve system `name` a calibration trace from cold caches; write the steps the engines timed (since the last take)."""
     from ray import serve
 
     serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
-    _, ids, _ = asyncio.run(replay(base_url, trace, SYSTEMS[name].mode, seed, lambda label: step(f"calibration {label}")))
+    _, ids, _ = asyncio.run(send(base_url, trace, SYSTEMS[name].mode, seed, lambda label: step(f"calibration {label}")))
     write_steps(steps_path(name), fetch_journeys(base_url, ids), config)
 
 
@@ -353,12 +360,12 @@ def serve_system(
     take_app_steps("pipelines")  # steps from here on are this system's (each write_steps takes them too)
     with live_routing(system, config):
         if calibration:
-            calibrate(app.base_url, name, calibration, a.seed + 1000, config, step)
+            calibrate(app.base_url, name, calibration, a.seed + 1000, config, step, replayer(a.api))
         else:
             steps_path(name).unlink(missing_ok=True)  # an older run's steps would not match this run
         serve.get_deployment_handle("Conductor", app_name="pipelines").reset_prefix_caches.remote().result()
         before = Faults("pipelines").link_counters(WAN)["bytes_down"]
-        result, ids, sent = asyncio.run(replay(app.base_url, trace, system.mode, a.seed, lambda label: step(f"{name}: {label}")))
+        result, ids, sent = asyncio.run(replayer(a.api)(app.base_url, trace, system.mode, a.seed, lambda label: step(f"{name}: {label}")))
     journeys = fetch_journeys(app.base_url, ids)
     write_steps(steps_path(name, "run"), journeys, config)
     journeys_path(name).write_text(json.dumps(journeys))
@@ -371,9 +378,17 @@ def serve_system(
     return Served(result, journeys, Faults("pipelines").link_counters(WAN)["bytes_down"] - before, counts)
 
 
+def hit_share(journeys: list[dict], role: str) -> float:
+    """The mean share of each prompt that `role`'s engine found in its prefix cache (the requests it saw)."""
+    shares = [j["hit_tokens"][role] / j["prompt_tokens"] for j in journeys if role in (j.get("hit_tokens") or {}) and j.get("prompt_tokens")]
+    return sum(shares) / len(shares) if shares else float("nan")
+
+
 def summarize(name: str, served: Served) -> dict[str, float]:
     r = served.result
     return {
+        "hit_p": hit_share(served.journeys, "prefill"),
+        "hit_md": hit_share(served.journeys, "main_decode"),
         "ttft_p50": r.ttft_ms(50),
         "ttft_p90": r.ttft_ms(90),
         "ttft_p99": r.ttft_ms(99),
@@ -445,12 +460,29 @@ ABLATION = (
 
 def print_results(rows: dict[str, dict[str, float]], pipelines: dict[str, dict[str, int]], keys: dict[str, float], title: str) -> None:
     table = Table(title=title)
-    for col in ("system", "given", "TTFT p50", "p90", "p99", "TPOT p50", "worst gap p50", "p99", "worst wait p99", "WAN MB", "failed", "pipelines"):
+    for col in (
+        "system",
+        "given",
+        "hit P",
+        "hit MD",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "TPOT p50",
+        "worst gap p50",
+        "p99",
+        "worst wait p99",
+        "WAN MB",
+        "failed",
+        "pipelines",
+    ):
         table.add_column(col, justify="right")
     for name, s in rows.items():
         table.add_row(
             name,
             SYSTEMS[name].given,
+            f"{s['hit_p']:.0%}",
+            f"{s['hit_md']:.0%}",
             *(f"{s[k]:.0f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99")),
             f"{s['tpot_p50']:.1f}",
             f"{s['gap_p50']:.0f}",
@@ -488,6 +520,7 @@ def print_results(rows: dict[str, dict[str, float]], pipelines: dict[str, dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=("open", "closed"), default="open")
+    ap.add_argument("--api", choices=("completions", "chat", "tools"), default="completions", help="how turns are sent (see above)")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--rps", type=float, default=1.0, help="open profile: the rate sessions' turns arrive at")
     ap.add_argument("--agents", type=int, default=4, help="closed profile: agents running conversations at once")
@@ -539,10 +572,14 @@ def main() -> None:
     pipelines = {name: served[name].pipelines for name in names}
     keys = ratios(rows)
     print_results(
-        rows, pipelines, keys, f"{len(names)} systems on real engines, {a.profile} profile: {len(trace)} agentic requests, same trace each, cold caches"
+        rows,
+        pipelines,
+        keys,
+        f"{len(names)} systems on real engines, {a.profile} profile, {a.api} API: {len(trace)} agentic requests, same trace each, cold caches",
     )
     summary: dict = {
         "profile": a.profile,
+        "api": a.api,
         "systems": rows,
         "given": {n: SYSTEMS[n].given for n in names},
         "pipelines": pipelines,
@@ -570,7 +607,7 @@ def main() -> None:
         fig.savefig(path, dpi=120)
 
     all_rows = [row for name in names for row in request_rows(name, served[name])]
-    csv_path = write_outputs(f"pipelines_{a.profile}", all_rows, summary, a.json_path, plot)
+    csv_path = write_outputs(f"pipelines_{a.profile}" + ("" if a.api == "completions" else f"_{a.api}"), all_rows, summary, a.json_path, plot)
     console.print(f"wrote {csv_path}, {csv_path.with_suffix('.png')} and {', '.join(str(trace_path(n)) for n in names)}")
 
 

@@ -1,8 +1,9 @@
-"""bench/pipelines.py's closed profile and its keys (no engines)."""
+"""bench/pipelines.py's closed profile, its keys and its chat conversations (no engines)."""
 
 import math
 
-from bench.pipelines import ANSWER_TOKENS, SYSTEMS, TOOL_CALL_TOKENS, closed_trace, ratios, system_args, workload
+from bench.chat_replay import Conversation
+from bench.pipelines import ANSWER_TOKENS, SYSTEMS, TOOL_CALL_TOKENS, closed_trace, hit_share, ratios, system_args, workload
 from tests.conftest import local_args
 
 
@@ -45,3 +46,29 @@ def test_the_keys_compare_pdd_with_each_baseline():
     assert keys["worst_wait_p99_crossdc_over_pdd"] == 3.0 and keys["wan_bytes_crossdc_over_pdd"] == 0.0
     assert "gap_p99_naive_over_pdd" not in keys
     assert math.isinf(ratios({"pdd": {**row, "wan_mb": 0.0}, "pd_cross_dc": row})["wan_bytes_crossdc_over_pdd"])
+
+
+def test_a_chat_conversation_is_cut_as_a_token_list_would_be_but_never_inside_an_answer():
+    talk = Conversation(lambda ids: " ".join(map(str, ids)))
+    talk.write("user", list(range(100)))
+    talk.answer({"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]}, 20)
+    assert talk.awaiting_result() == "call_1"
+    talk.write("tool", list(range(50)), tool_call_id="call_1")
+    assert talk.awaiting_result() is None and talk.messages[2]["tool_call_id"] == "call_1"
+    assert talk.cut(10_000) == 170 and len(talk.messages) == 3  # nothing to cut
+    assert talk.cut(150) == 150 and talk.messages[2]["content"] == " ".join(map(str, range(30)))  # the tool result's start
+    assert talk.cut(120) == 120 and talk.awaiting_result() == "call_1"  # the call kept, its result not: a tool message comes next
+    assert talk.cut(110) == 100 and talk.awaiting_result() is None  # never inside the model's answer
+    assert talk.cut(40) == 40 and talk.messages == [{"role": "user", "content": " ".join(map(str, range(40)))}]
+    assert talk.cut(0) == 0 and talk.messages == [] and talk.awaiting_result() is None
+
+
+def test_hit_shares_count_only_the_requests_a_role_saw():
+    journeys = [
+        {"prompt_tokens": 100, "hit_tokens": {"prefill": 50, "main_decode": 100}},
+        {"prompt_tokens": 200, "hit_tokens": {"prefill": 200}},
+        {},  # a request that got no id
+    ]
+    assert hit_share(journeys, "prefill") == 0.75
+    assert hit_share(journeys, "main_decode") == 1.0
+    assert math.isnan(hit_share(journeys, "relay_decode"))
