@@ -8,9 +8,9 @@ Each session is one conversation of messages, as an agent framework keeps it:
   most `CALL_TOKENS`) is a tool call (`tool_choice: required`, one call), the
   next turn's new tokens then come back as the `tool` message answering it;
   the other turns answer in text (`tool_choice: none`).
-A turn's new text is as many random dev-model tokens as the trace adds, its
-answer as long as the trace says (a call: its `command` at most that many
-characters, the call's JSON around it). Where the trace keeps less than the
+A turn's new text is as many random dev-model tokens as the trace adds; a
+text answer is as long as the trace says, a call as long as its JSON around a
+`command` of at most `CALL_TOKENS` characters. Where the trace keeps less than the
 whole conversation (compaction, a low-hit turn), the conversation is cut as
 the completions replay cuts its token list: the messages that fit, and the
 start of the next one where that is one of ours (a user or tool message; an
