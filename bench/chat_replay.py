@@ -23,16 +23,14 @@ when each token left the server.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
 from app.engine.devmodel import ensure_devmodel
 from app.ops import progress
 from app.sim.workload import Request
-from bench.common import LoadResult, Replayed, RequestRecord, replay_sessions
+from bench.common import LoadResult, Replayed, replay_sessions
 
 CALL_TOKENS = 32
 """Turns whose trace output is at most this many tokens are tool calls (`--api tools`)."""
@@ -114,11 +112,8 @@ async def chat_replay(
         else:
             conversation.write("user", new)
         calls = tools and r.output_tokens <= CALL_TOKENS
-        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - replayed.t0)))
-        start = time.perf_counter()
-        replayed.sent[i] = r._replace(arrival_s=start - replayed.t0, prefix_tokens=keep)
-        first = last = None
-        gaps, tokens, answer, called = [], 0, [], []
+        timed = await replayed.begin(i, keep)
+        tokens, answer, called = 0, [], []
         extra: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False} if calls else {}
         if tools and not calls:
             extra = {"tools": TOOLS, "tool_choice": "none"}
@@ -135,7 +130,6 @@ async def chat_replay(
             )
             async for chunk in stream:
                 replayed.ids[i] = chunk.id
-                now = time.perf_counter()
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
                 if not chunk.choices or chunk.choices[0].delta.role:
@@ -143,15 +137,10 @@ async def chat_replay(
                 delta = chunk.choices[0].delta
                 answer.append(delta.content or "")
                 called += delta.tool_calls or []
-                if first is None:
-                    first = now
-                else:
-                    gaps.append(now - last)
-                last = now
-            end = time.perf_counter()
-            replayed.records[i] = RequestRecord((first or end) - start, end - start, tokens, gaps)
+                timed.token()
+            replayed.records[i] = timed.done(tokens)
         except Exception as exc:  # noqa: BLE001 - a failure is a data point
-            replayed.records[i] = RequestRecord(float("nan"), time.perf_counter() - start, 0, error=f"{type(exc).__name__}: {exc}")
+            replayed.records[i] = timed.failed(exc)
         message: dict[str, Any] = {"role": "assistant", "content": "".join(answer)}
         if called:
             message = {

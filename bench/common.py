@@ -85,6 +85,32 @@ class LoadResult:
         return percentile([r.tpot_s for r in self.ok if r.completion_tokens > 1], q) * 1000
 
 
+class Timed:
+    """One streamed request as its client sees it: when it went out, its first token, the gaps after."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last = 0.0
+        self.gaps: list[float] = []
+
+    def token(self) -> None:
+        """A chunk with the engines' next tokens arrived."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def done(self, tokens: int) -> RequestRecord:
+        end = time.perf_counter()
+        return RequestRecord((self.first or end) - self.start, end - self.start, tokens, self.gaps)
+
+    def failed(self, exc: Exception) -> RequestRecord:
+        return RequestRecord(float("nan"), time.perf_counter() - self.start, 0, error=f"{type(exc).__name__}: {exc}")
+
+
 class Replayed:
     """What an agentic replay's requests got, by their index in the trace (each turn fills its own)."""
 
@@ -94,6 +120,14 @@ class Replayed:
         self.records: list[RequestRecord | None] = [None] * len(trace)
         self.ids: list[str] = [""] * len(trace)
         self.sent: list[Any] = [None] * len(trace)
+
+    async def begin(self, i: int, keep: int) -> Timed:
+        """Request i goes out at its arrival time (or now, when later), `keep` tokens of its conversation repeated."""
+        r = self.trace[i]
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - self.t0)))
+        timed = Timed()
+        self.sent[i] = r._replace(arrival_s=timed.start - self.t0, prefix_tokens=keep)
+        return timed
 
 
 async def replay_sessions(

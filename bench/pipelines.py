@@ -92,7 +92,7 @@ from app.sim.fitting import decoder_request_overheads, kv_pulls, serving_overhea
 from app.sim.run import scaled
 from app.sim.workload import AgenticWorkload, HitBand, Request, write_trace
 from bench.chat_replay import chat_replay
-from bench.common import OUT_DIR, LoadResult, LocalApp, Replayed, RequestRecord, percentile, replay_sessions, wait_http, write_outputs
+from bench.common import OUT_DIR, LoadResult, LocalApp, Replayed, percentile, replay_sessions, wait_http, write_outputs
 from tests.conftest import local_args, on_one_gpu, set_wan
 
 console = Console(width=160)
@@ -159,9 +159,12 @@ def fetch_journeys(base_url: str, ids: list[str], timeout_s: float = 60) -> list
     """The conductor's journeys of these requests ({} where a request got no id), once every request
     that reached MD has MD's report (its prefix hit: MD still warms up after a relay that ended the request)."""
     deadline = time.monotonic() + timeout_s
+    journeys: list[dict] = [{} for _ in ids]
+    waiting = [i for i, rid in enumerate(ids) if rid]
     while True:
-        journeys = [httpx.get(f"{base_url}/pdd/requests/{rid}", timeout=30).json() if rid else {} for rid in ids]
-        waiting = [j for j in journeys if "MD" in (j.get("pipeline") or "") and "main_decode" not in (j.get("hit_tokens") or {})]
+        for i in waiting:
+            journeys[i] = httpx.get(f"{base_url}/pdd/requests/{ids[i]}", timeout=30).json()
+        waiting = [i for i in waiting if "MD" in (journeys[i].get("pipeline") or "") and "main_decode" not in (journeys[i].get("hit_tokens") or {})]
         if not waiting or time.monotonic() > deadline:
             return journeys
         time.sleep(1)
@@ -227,11 +230,8 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
         r, conversation = trace[i], conversation or []
         keep = min(r.prefix_tokens, len(conversation), r.prompt_tokens - 1)
         prompt = conversation[:keep] + [rng.randrange(10, 500) for _ in range(r.prompt_tokens - keep)]
-        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - replayed.t0)))
-        start = time.perf_counter()
-        replayed.sent[i] = r._replace(arrival_s=start - replayed.t0, prefix_tokens=keep)
-        first = last = None
-        gaps, tokens, output = [], 0, []
+        timed = await replayed.begin(i, keep)
+        tokens, output = 0, []
         try:
             # The token ids go in extra_body, which the SDK sends as is: as `prompt` it walks
             # every id in Python first (13-22 us each here: 65-110 ms of CPU for a 5000-token
@@ -248,21 +248,15 @@ async def replay(base_url: str, trace: list[Request], mode: str, seed: int, step
             )
             async for chunk in stream:
                 replayed.ids[i] = chunk.id
-                now = time.perf_counter()
                 if chunk.choices:
                     output += chunk.choices[0].token_ids or []
                     if chunk.choices[0].text:
-                        if first is None:
-                            first = now
-                        else:
-                            gaps.append(now - last)
-                        last = now
+                        timed.token()
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
-            end = time.perf_counter()
-            replayed.records[i] = RequestRecord((first or end) - start, end - start, tokens, gaps)
+            replayed.records[i] = timed.done(tokens)
         except Exception as exc:  # noqa: BLE001 - a failure is a data point
-            replayed.records[i] = RequestRecord(float("nan"), time.perf_counter() - start, 0, error=f"{type(exc).__name__}: {exc}")
+            replayed.records[i] = timed.failed(exc)
         return prompt + output
 
     try:

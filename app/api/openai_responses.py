@@ -183,7 +183,8 @@ class ChatRenderer:
         message = DeltaMessage(content=text or None)
         if self.tools is not None:
             message = self._call_delta(self.tools, index, text, finish, token_ids)
-            self._called.update([index] if message.tool_calls else [])
+            if message.tool_calls:
+                self._called.add(index)
             finish = self.tools.finish_reason(finish, index in self._called)
         return self._chunk(
             ChatChunkChoice(
